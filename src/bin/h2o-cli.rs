@@ -1,0 +1,314 @@
+//! `h2o-cli`: run a prompt through llama.cpp with (optionally) H2O sparse prefill.
+//! A thin shell over the `h2o_llama` library: parse flags, load, generate, report.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Parser, ValueEnum};
+use h2o_llama::{
+    default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, Sampler, SamplerConfig, Session,
+    SessionConfig,
+};
+
+/// Exit codes (documented in README): distinct per failure class.
+mod exit {
+    #[allow(dead_code)] // clap exits with it itself; listed so the table is complete
+    pub const USAGE: u8 = 2;
+    pub const INPUT: u8 = 3; // bad prompt/config values
+    pub const MODEL: u8 = 4; // model missing, unreadable, not GGUF, rejected; default-model fetch
+    pub const RUNTIME: u8 = 5; // llama.cpp failed while running
+    pub const INTERRUPTED: u8 = 130; // Ctrl-C
+}
+
+const EXAMPLES: &str = "\
+Examples:
+  h2o-cli -n 32                                   # default model, built-in demo prompt
+  h2o-cli -p \"The capital of France is\" -n 16 --temp 0
+  h2o-cli -f prompt.txt -c 8192 -b 4096 -ub 1024
+  h2o-cli -b 4096 -ub 1024 --h2o-local 256 --h2o-heavy 256
+  h2o-cli -m model.gguf -p \"Hello\" --json
+
+Exit codes: 0 ok, 2 bad flags, 3 bad input or parameters, 4 model problem,
+5 llama.cpp failure, 130 interrupted.";
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum OnOffAuto {
+    On,
+    Off,
+    Auto,
+}
+
+/// Run a prompt with llama.cpp, optionally with H2O chunked sparse prefill.
+#[derive(Parser, Debug)]
+#[command(name = "h2o-cli", version, about, after_help = EXAMPLES)]
+struct Cli {
+    /// GGUF model file [default: SmolLM2-135M-Instruct Q4_1, fetched once with pip]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Prompt text [default: a built-in demo prompt spanning several chunks]
+    #[arg(short = 'p', long, conflicts_with = "file")]
+    prompt: Option<String>,
+    /// Read the prompt from a UTF-8 text file
+    #[arg(short = 'f', long, value_name = "FILE")]
+    file: Option<PathBuf>,
+    /// Number of tokens to generate
+    #[arg(short = 'n', long, default_value_t = 64)]
+    n_predict: usize,
+    /// Context size in tokens (0 = the model's training context)
+    #[arg(short = 'c', long, default_value_t = 0)]
+    ctx_size: u32,
+    /// Logical batch size: most tokens per llama_decode call (-b)
+    #[arg(short = 'b', long, default_value_t = 2048)]
+    batch_size: u32,
+    /// Physical batch size, also the H2O chunk size S (-ub)
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512)]
+    ubatch_size: u32,
+    /// CPU threads [default: all cores]
+    #[arg(short = 't', long)]
+    threads: Option<u32>,
+    /// Flash attention (-fa)
+    #[arg(long = "flash-attn", value_enum, default_value = "auto")]
+    flash_attn: OnOffAuto,
+    /// Layers to offload to the GPU (-ngl), with a CUDA build
+    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
+    n_gpu_layers: i32,
+    /// Sampling temperature; 0 = greedy
+    #[arg(long, default_value_t = 0.8)]
+    temp: f32,
+    /// Top-k sampling (0 = off)
+    #[arg(long, default_value_t = 40)]
+    top_k: i32,
+    /// Top-p sampling (1.0 = off)
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Random seed [default: random]
+    #[arg(long)]
+    seed: Option<u32>,
+    /// H2O: recent tokens L kept from the previous chunk (0 with --h2o-heavy 0 = off)
+    #[arg(long, value_name = "L", default_value_t = 0)]
+    h2o_local: u32,
+    /// H2O: heavy-hitter tokens H kept by accumulated attention score
+    #[arg(long, value_name = "H", default_value_t = 0)]
+    h2o_heavy: u32,
+    /// Print one JSON record on stdout instead of text + summary
+    #[arg(long)]
+    json: bool,
+    /// Echo llama.cpp's own log to stderr
+    #[arg(short = 'v', long)]
+    verbose: bool,
+}
+
+/// llama.cpp spells some flags with a multi-letter single dash (`-ub`, `-fa`, `-ngl`), which
+/// clap cannot declare; map them to the long forms users would otherwise have to learn.
+fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
+    args.map(|a| {
+        let (flag, rest) = match a.split_once('=') {
+            Some((f, r)) => (f.to_string(), Some(r.to_string())),
+            None => (a.clone(), None),
+        };
+        let long = match flag.as_str() {
+            "-ub" => "--ubatch-size",
+            "-fa" => "--flash-attn",
+            "-ngl" => "--n-gpu-layers",
+            _ => return a,
+        };
+        match rest {
+            Some(r) => format!("{long}={r}"),
+            None => long.to_string(),
+        }
+    })
+    .collect()
+}
+
+#[derive(serde::Serialize)]
+struct Record<'a> {
+    model: String,
+    prompt_tokens: usize,
+    generated_tokens: usize,
+    chunks: usize,
+    n_batch: u32,
+    n_ubatch: u32,
+    n_ctx: u32,
+    h2o: Option<H2oConfig>,
+    time_to_first_token_ms: f64,
+    prefill_ms: f64,
+    prefill_tokens_per_second: f64,
+    decode_tokens_per_second: f64,
+    stopped_at_eog: bool,
+    text: &'a str,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse_from(normalise_args(std::env::args()));
+    let interrupt = Arc::new(AtomicBool::new(false));
+    {
+        let flag = interrupt.clone();
+        let _ = ctrlc::set_handler(move || {
+            if flag.swap(true, Ordering::SeqCst) {
+                // Second Ctrl-C: the user really wants out.
+                std::process::exit(i32::from(exit::INTERRUPTED));
+            }
+        });
+    }
+    match run(&cli, interrupt) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("h2o-cli: error: {e:#}");
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+fn exit_code(e: &anyhow::Error) -> u8 {
+    match e.downcast_ref::<Error>() {
+        Some(Error::Interrupted) => exit::INTERRUPTED,
+        Some(
+            Error::ModelNotFound { .. }
+            | Error::ModelUnreadable { .. }
+            | Error::NotGguf { .. }
+            | Error::ModelLoad { .. }
+            | Error::DefaultModel(_),
+        ) => exit::MODEL,
+        Some(Error::Decode(_) | Error::ContextInit { .. }) => exit::RUNTIME,
+        Some(_) | None => exit::INPUT,
+    }
+}
+
+fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
+    if let Some(p) = &cli.prompt {
+        return Ok((p.clone(), "-p"));
+    }
+    if let Some(f) = &cli.file {
+        let bytes = std::fs::read(f).with_context(|| format!("cannot read prompt file {}", f.display()))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            anyhow::anyhow!(
+                "prompt file {} is not UTF-8 text (invalid byte at offset {}); convert it first, e.g. iconv -t UTF-8",
+                f.display(),
+                e.utf8_error().valid_up_to()
+            )
+        })?;
+        return Ok((text, "-f"));
+    }
+    Ok((demo::prompt(demo::DEFAULT_ENTRIES), "demo"))
+}
+
+fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
+    h2o_llama::set_log_echo(cli.verbose);
+    let show_progress = !cli.json && std::io::stderr().is_terminal();
+    let h2o = H2oConfig { local: cli.h2o_local, heavy: cli.h2o_heavy };
+    let config = SessionConfig {
+        n_ctx: cli.ctx_size,
+        n_batch: cli.batch_size,
+        n_ubatch: cli.ubatch_size,
+        n_threads: cli.threads.unwrap_or(SessionConfig::default().n_threads),
+        flash_attn: match cli.flash_attn {
+            OnOffAuto::On => FlashAttention::On,
+            OnOffAuto::Off => FlashAttention::Off,
+            OnOffAuto::Auto => FlashAttention::Auto,
+        },
+        h2o: h2o.is_enabled().then_some(h2o),
+    };
+    // Fail on bad parameters before any download or model load.
+    config.validate()?;
+    let (prompt_text, prompt_source) = read_prompt(cli)?;
+    if prompt_text.trim().is_empty() {
+        return Err(Error::EmptyPrompt.into());
+    }
+
+    let model_path = match &cli.model {
+        Some(p) => p.clone(),
+        None => default_model::ensure(|msg| {
+            if !cli.json {
+                eprintln!("h2o-cli: {msg}");
+            }
+        })?,
+    };
+    let model = Model::load(&model_path, &ModelParams { n_gpu_layers: cli.n_gpu_layers })?;
+    let mut session = Session::new(&model, config.clone())?;
+    session.set_interrupt_flag(interrupt);
+    let prompt = model.tokenize(&prompt_text, true, true)?;
+    if prompt.is_empty() {
+        return Err(Error::EmptyPrompt.into());
+    }
+    let sampler_config = SamplerConfig {
+        temperature: cli.temp,
+        top_k: cli.top_k,
+        top_p: cli.top_p,
+        seed: cli.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
+        }),
+    };
+    let mut sampler = Sampler::new(&sampler_config)?;
+
+    if !cli.json {
+        eprintln!(
+            "h2o-cli: {} | prompt: {} ({} tokens) | -c {} -b {} -ub {} | {}",
+            model.description(),
+            prompt_source,
+            prompt.len(),
+            session.n_ctx(),
+            config.n_batch,
+            config.n_ubatch,
+            if h2o.is_enabled() { format!("H2O L={} H={}", h2o.local, h2o.heavy) } else { "full attention".into() }
+        );
+        if prompt_source == "demo" {
+            let tail: String = prompt_text.lines().rev().take(2).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+            eprintln!("h2o-cli: demo prompt ends with:\n{tail}");
+        }
+    }
+    let mut stdout = std::io::stdout().lock();
+    let mut first = true;
+    let generation = session.generate(&prompt, &mut sampler, cli.n_predict, |piece| {
+        if first && show_progress {
+            eprint!("\r\x1b[K");
+        }
+        first = false;
+        if !cli.json {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+        true
+    });
+    let generation = generation?;
+    let t = &generation.timings;
+    let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
+    if cli.json {
+        let record = Record {
+            model: model.path().display().to_string(),
+            prompt_tokens: t.prompt_tokens,
+            generated_tokens: t.generated_tokens,
+            chunks,
+            n_batch: config.n_batch,
+            n_ubatch: config.n_ubatch,
+            n_ctx: session.n_ctx(),
+            h2o: config.h2o,
+            time_to_first_token_ms: t.time_to_first_token.as_secs_f64() * 1e3,
+            prefill_ms: t.prefill.as_secs_f64() * 1e3,
+            prefill_tokens_per_second: t.prefill_tokens_per_second(),
+            decode_tokens_per_second: t.decode_tokens_per_second(),
+            stopped_at_eog: generation.stopped_at_eog,
+            text: &generation.text,
+        };
+        serde_json::to_writer(&mut stdout, &record)?;
+        writeln!(stdout)?;
+    } else {
+        writeln!(stdout)?;
+        eprintln!(
+            "h2o-cli: prompt tokens {} | chunks {} (-ub {}) | time to first token {:.2} s | prefill {:.1} tok/s | \
+             decode {:.1} tok/s ({} tokens{})",
+            t.prompt_tokens,
+            chunks,
+            config.n_ubatch,
+            t.time_to_first_token.as_secs_f64(),
+            t.prefill_tokens_per_second(),
+            t.decode_tokens_per_second(),
+            t.generated_tokens,
+            if generation.stopped_at_eog { ", stopped at end of generation" } else { "" }
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! Typed errors of the safe layer. Variants mirror the C API's failure modes (for
+//! `llama_decode`, one variant per documented return code) so callers can react to each.
+
+use std::path::PathBuf;
+
+/// Why `llama_decode` failed, one variant per return code documented in `llama.h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// 1: no KV-cache slot for the batch (context full).
+    #[error("no KV-cache slot for the batch: the context is full (use a larger -c)")]
+    NoKvSlot,
+    /// 2: aborted by the abort callback.
+    #[error("aborted")]
+    Aborted,
+    /// -1: invalid input batch.
+    #[error("invalid input batch")]
+    InvalidInput,
+    /// -2: compute buffer allocation failed.
+    #[error("failed to allocate the compute buffers")]
+    Allocation,
+    /// -3: the graph computation failed.
+    #[error("graph computation failed")]
+    Compute,
+    /// Any other code.
+    #[error("llama_decode returned {0}")]
+    Other(i32),
+}
+
+impl DecodeError {
+    /// Maps a non-zero `llama_decode` return code.
+    #[must_use]
+    pub fn from_code(code: i32) -> Self {
+        match code {
+            1 => Self::NoKvSlot,
+            2 => Self::Aborted,
+            -1 => Self::InvalidInput,
+            -2 => Self::Allocation,
+            -3 => Self::Compute,
+            c => Self::Other(c),
+        }
+    }
+}
+
+/// Every error of the library.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("model file not found: {path} (pass an existing GGUF file with -m, or omit -m to use the default model)")]
+    ModelNotFound { path: PathBuf },
+
+    #[error("cannot read model file {path}: {source}")]
+    ModelUnreadable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path} is not a GGUF model file ({why}); llama.cpp models are GGUF files, e.g. *.Q4_1.gguf")]
+    NotGguf { path: PathBuf, why: String },
+
+    #[error("llama.cpp could not load the model {path}: {reason}")]
+    ModelLoad { path: PathBuf, reason: String },
+
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+
+    #[error("llama.cpp could not create a context: {reason}")]
+    ContextInit { reason: String },
+
+    #[error("the prompt is empty: give some text with -p or -f")]
+    EmptyPrompt,
+
+    #[error("the prompt has {n_tokens} tokens but the context holds {n_ctx}: use a larger -c (the model was trained with {n_ctx_train}) or a shorter prompt")]
+    PromptTooLong { n_tokens: usize, n_ctx: u32, n_ctx_train: u32 },
+
+    #[error("the text contains a NUL byte at offset {0}, which llama.cpp cannot tokenize")]
+    NulInText(usize),
+
+    #[error("tokenization failed: {0}")]
+    Tokenize(String),
+
+    #[error("decode failed: {0}")]
+    Decode(#[from] DecodeError),
+
+    #[error("interrupted")]
+    Interrupted,
+
+    #[error("{0}")]
+    DefaultModel(String),
+}
+
+impl From<std::ffi::NulError> for Error {
+    fn from(e: std::ffi::NulError) -> Self {
+        Error::NulInText(e.nul_position())
+    }
+}
+
+/// Result with the library's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,47 @@
+//! # h2o-llama
+//!
+//! llama.cpp with H2O chunked sparse prefill, from Rust.
+//!
+//! The crate builds a pinned llama.cpp with our patch series (see `patches/`), exposes its C API
+//! as raw bindings in [`sys`], and wraps it in a safe API: a [`Model`], a [`Session`] owning a
+//! context, a [`Sampler`], and [`default_model`] to fetch the small default model.
+//!
+//! ```no_run
+//! use h2o_llama::{Model, ModelParams, Sampler, SamplerConfig, Session, SessionConfig};
+//!
+//! # fn main() -> Result<(), h2o_llama::Error> {
+//! let path = h2o_llama::default_model::ensure(|msg| eprintln!("{msg}"))?;
+//! let model = Model::load(&path, &ModelParams::default())?;
+//! let mut session = Session::new(&model, SessionConfig::default())?;
+//! let prompt = model.tokenize("The capital of France is", true, false)?;
+//! let mut sampler = Sampler::new(&SamplerConfig::greedy())?;
+//! let out = session.generate(&prompt, &mut sampler, 16, |piece| {
+//!     print!("{piece}");
+//!     true
+//! })?;
+//! eprintln!("\n{:.1} prompt tok/s", out.timings.prefill_tokens_per_second());
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod sys;
+
+mod backend;
+pub mod default_model;
+pub mod demo;
+mod error;
+mod model;
+mod sampler;
+mod session;
+
+pub use backend::set_log_echo;
+pub use error::{DecodeError, Error, Result};
+pub use model::{Model, ModelParams, Token};
+pub use sampler::{Sampler, SamplerConfig};
+pub use session::{FlashAttention, Generation, H2oConfig, Session, SessionConfig, Timings};
+
+/// Version of the pinned upstream crate whose llama.cpp this library builds.
+pub const UPSTREAM_VERSION: &str = env!("H2O_LLAMA_UPSTREAM_VERSION");
+
+/// Whether this build applied the H2O patch series (false for the `stock` feature).
+pub const PATCHED: bool = !cfg!(feature = "stock");

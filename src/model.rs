@@ -1,0 +1,259 @@
+//! A loaded GGUF model and its vocabulary.
+
+use std::ffi::CString;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+use crate::{backend, sys};
+
+/// A token id of the model's vocabulary.
+pub type Token = i32;
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct ModelParams {
+    /// Layers to offload to a GPU (`-ngl`); 0 keeps everything on the CPU.
+    pub n_gpu_layers: i32,
+}
+
+impl Default for ModelParams {
+    fn default() -> Self {
+        Self { n_gpu_layers: 0 }
+    }
+}
+
+/// A model loaded by llama.cpp. Owns the `llama_model`; freed on drop.
+#[derive(Debug)]
+pub struct Model {
+    ptr: NonNull<sys::llama_model>,
+    path: PathBuf,
+}
+
+// SAFETY: llama.cpp's model is immutable after loading and documented as shareable between
+// contexts on different threads.
+unsafe impl Send for Model {}
+unsafe impl Sync for Model {}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from llama_model_load_from_file and is freed exactly once.
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// Checks that `path` is a readable file starting with the GGUF magic, so that the common
+/// mistakes (wrong path, a directory, a safetensors or text file) get a precise message
+/// before llama.cpp sees the file.
+fn check_gguf_file(path: &Path) -> Result<()> {
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::ModelNotFound { path: path.to_path_buf() })
+        }
+        Err(e) => return Err(Error::ModelUnreadable { path: path.to_path_buf(), source: e }),
+    };
+    if meta.is_dir() {
+        return Err(Error::NotGguf { path: path.to_path_buf(), why: "it is a directory".into() });
+    }
+    if meta.len() == 0 {
+        return Err(Error::NotGguf { path: path.to_path_buf(), why: "the file is empty".into() });
+    }
+    let mut magic = [0u8; 4];
+    let mut file = std::fs::File::open(path).map_err(|e| Error::ModelUnreadable { path: path.to_path_buf(), source: e })?;
+    if meta.len() < 4 || file.read_exact(&mut magic).is_err() {
+        return Err(Error::NotGguf { path: path.to_path_buf(), why: format!("only {} bytes long", meta.len()) });
+    }
+    if &magic != b"GGUF" {
+        return Err(Error::NotGguf {
+            path: path.to_path_buf(),
+            why: format!("it starts with {magic:02x?}, not the GGUF magic"),
+        });
+    }
+    Ok(())
+}
+
+impl Model {
+    /// Loads a GGUF model.
+    ///
+    /// # Errors
+    /// [`Error::ModelNotFound`], [`Error::ModelUnreadable`] or [`Error::NotGguf`] when the file
+    /// is missing, unreadable or not GGUF; [`Error::ModelLoad`] with llama.cpp's reason when it
+    /// rejects the file (truncated, unsupported architecture, ...).
+    pub fn load(path: impl AsRef<Path>, params: &ModelParams) -> Result<Self> {
+        let path = path.as_ref();
+        check_gguf_file(path)?;
+        backend::init();
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::ModelUnreadable { path: path.into(), source: std::io::Error::other("path contains NUL") })?;
+        // SAFETY: default params are plain data; we only set scalar fields.
+        let mut mp = unsafe { sys::llama_model_default_params() };
+        mp.n_gpu_layers = params.n_gpu_layers;
+        backend::clear_recent_log();
+        // SAFETY: c_path outlives the call; the returned pointer is owned by `Model`.
+        let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
+        let ptr = NonNull::new(raw)
+            .ok_or_else(|| Error::ModelLoad { path: path.to_path_buf(), reason: backend::recent_log_reason() })?;
+        Ok(Self { ptr, path: path.to_path_buf() })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {
+        self.ptr.as_ptr()
+    }
+
+    fn vocab(&self) -> *const sys::llama_vocab {
+        // SAFETY: valid model; the vocab lives as long as the model.
+        unsafe { sys::llama_model_get_vocab(self.ptr.as_ptr()) }
+    }
+
+    /// The file this model was loaded from.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of transformer layers.
+    #[must_use]
+    pub fn n_layer(&self) -> u32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_layer(self.ptr.as_ptr()) }.max(0) as u32
+    }
+
+    /// Number of query heads.
+    #[must_use]
+    pub fn n_head(&self) -> u32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_head(self.ptr.as_ptr()) }.max(0) as u32
+    }
+
+    /// Number of key/value heads (fewer than [`Model::n_head`] under GQA).
+    #[must_use]
+    pub fn n_head_kv(&self) -> u32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_head_kv(self.ptr.as_ptr()) }.max(0) as u32
+    }
+
+    /// Context length the model was trained with.
+    #[must_use]
+    pub fn n_ctx_train(&self) -> u32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_ctx_train(self.ptr.as_ptr()) }.max(0) as u32
+    }
+
+    /// Vocabulary size.
+    #[must_use]
+    pub fn n_vocab(&self) -> usize {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_n_tokens(self.vocab()) }.max(0) as usize
+    }
+
+    /// Size of the weights in bytes.
+    #[must_use]
+    pub fn size_bytes(&self) -> u64 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_size(self.ptr.as_ptr()) }
+    }
+
+    /// Number of parameters.
+    #[must_use]
+    pub fn n_params(&self) -> u64 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_params(self.ptr.as_ptr()) }
+    }
+
+    /// llama.cpp's one-line description (architecture, size, quantisation).
+    #[must_use]
+    pub fn description(&self) -> String {
+        let mut buf = vec![0u8; 256];
+        // SAFETY: buf is writable for its length; llama_model_desc NUL-terminates within it.
+        let n = unsafe { sys::llama_model_desc(self.ptr.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        buf.truncate(n.clamp(0, 255) as usize);
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+
+    /// Whether `token` ends generation (end-of-turn, end-of-sequence).
+    #[must_use]
+    pub fn is_end_of_generation(&self, token: Token) -> bool {
+        // SAFETY: valid vocab; any token id is accepted.
+        unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
+    }
+
+    /// Tokenizes `text`. `add_special` adds BOS/EOS as the model's metadata asks;
+    /// `parse_special` turns text such as `<|im_start|>` into control tokens.
+    ///
+    /// # Errors
+    /// [`Error::NulInText`] when the text has a NUL byte; [`Error::Tokenize`] when llama.cpp fails.
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        if let Some(pos) = text.bytes().position(|b| b == 0) {
+            return Err(Error::NulInText(pos));
+        }
+        let len = i32::try_from(text.len()).map_err(|_| Error::Tokenize("text longer than 2 GiB".into()))?;
+        let mut tokens: Vec<Token> = vec![0; text.len() + 2];
+        for _ in 0..2 {
+            // SAFETY: text is valid for `len` bytes; tokens is writable for its length.
+            let n = unsafe {
+                sys::llama_tokenize(
+                    self.vocab(),
+                    text.as_ptr().cast(),
+                    len,
+                    tokens.as_mut_ptr(),
+                    tokens.len() as i32,
+                    add_special,
+                    parse_special,
+                )
+            };
+            if n == i32::MIN {
+                return Err(Error::Tokenize("too many tokens".into()));
+            }
+            if n >= 0 {
+                tokens.truncate(n as usize);
+                return Ok(tokens);
+            }
+            tokens.resize((-n) as usize, 0);
+        }
+        Err(Error::Tokenize("token count changed between calls".into()))
+    }
+
+    /// The bytes of one token's text (may be a partial UTF-8 sequence).
+    #[must_use]
+    pub fn token_bytes(&self, token: Token, special: bool) -> Vec<u8> {
+        let mut buf = vec![0u8; 64];
+        loop {
+            // SAFETY: buf is writable for its length; llama.cpp writes at most that many bytes.
+            let n = unsafe {
+                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return buf;
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    /// Converts tokens back to text (special tokens omitted), replacing invalid UTF-8.
+    #[must_use]
+    pub fn detokenize(&self, tokens: &[Token]) -> String {
+        let mut buf = vec![0u8; tokens.len() * 8 + 16];
+        loop {
+            // SAFETY: tokens valid for its length; buf writable for its length.
+            let n = unsafe {
+                sys::llama_detokenize(
+                    self.vocab(),
+                    tokens.as_ptr(),
+                    tokens.len() as i32,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    false,
+                    false,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return String::from_utf8_lossy(&buf).into_owned();
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+}

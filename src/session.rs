@@ -1,0 +1,451 @@
+//! A context on a model: evaluate prompts, read logits, generate, reset.
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::{DecodeError, Error, Result};
+use crate::model::{Model, Token};
+use crate::sampler::Sampler;
+use crate::{backend, sys};
+
+/// H2O sparse-prefill parameters: the memory each chunk attends to holds the last `local`
+/// tokens of the previous chunk and the `heavy` highest-scoring earlier tokens.
+/// `local = heavy = 0` turns H2O off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct H2oConfig {
+    /// L: recent tokens kept from the previous chunk.
+    pub local: u32,
+    /// H: heavy hitters kept by accumulated attention score.
+    pub heavy: u32,
+}
+
+impl H2oConfig {
+    /// M = L + H, the memory set size.
+    #[must_use]
+    pub fn memory_size(&self) -> u64 {
+        u64::from(self.local) + u64::from(self.heavy)
+    }
+
+    /// False for L = H = 0, which means stock attention.
+    #[must_use]
+    pub fn is_enabled(&self) -> bool {
+        self.memory_size() > 0
+    }
+}
+
+/// When to use flash attention (`-fa on|off|auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum FlashAttention {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+/// Context parameters. Defaults follow llama.cpp's (`n_ctx` 0 = the model's training context).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SessionConfig {
+    /// Context size in tokens (`-c`); 0 = the model's training context.
+    pub n_ctx: u32,
+    /// Logical batch: the most tokens handed to one `llama_decode` call (`-b`).
+    pub n_batch: u32,
+    /// Physical batch, which is also the H2O chunk size S (`-ub`).
+    pub n_ubatch: u32,
+    /// CPU threads (`-t`).
+    pub n_threads: u32,
+    pub flash_attn: FlashAttention,
+    /// H2O sparse prefill; `None` (or L = H = 0) is stock attention.
+    pub h2o: Option<H2oConfig>,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            n_ctx: 0,
+            n_batch: 2048,
+            n_ubatch: 512,
+            n_threads: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(4),
+            flash_attn: FlashAttention::Auto,
+            h2o: None,
+        }
+    }
+}
+
+impl SessionConfig {
+    /// Checks the parameters without touching llama.cpp.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the bad parameter and what to use instead.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.n_batch == 0 {
+            return bad("batch size (-b) must be at least 1".into());
+        }
+        if self.n_ubatch == 0 {
+            return bad("micro-batch size (-ub) must be at least 1".into());
+        }
+        if self.n_ubatch > self.n_batch {
+            return bad(format!(
+                "micro-batch size -ub {} is larger than batch size -b {}: use -ub <= -b",
+                self.n_ubatch, self.n_batch
+            ));
+        }
+        if self.n_threads == 0 {
+            return bad("thread count (-t) must be at least 1".into());
+        }
+        if let Some(h2o) = self.h2o.filter(H2oConfig::is_enabled) {
+            if h2o.memory_size() >= u64::from(self.n_ubatch) {
+                return bad(format!(
+                    "H2O memory M = --h2o-local {} + --h2o-heavy {} = {} must be smaller than the chunk size -ub {}: \
+                     lower L/H or raise -ub",
+                    h2o.local,
+                    h2o.heavy,
+                    h2o.memory_size(),
+                    self.n_ubatch
+                ));
+            }
+            return bad("H2O sparse prefill (--h2o-local/--h2o-heavy) is not implemented in this build yet; \
+                        run without those flags for stock attention"
+                .into());
+        }
+        Ok(())
+    }
+}
+
+/// Where the time went, for the last [`Session::generate`] (or accumulated evaluations).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Timings {
+    pub prompt_tokens: usize,
+    pub prefill: Duration,
+    pub generated_tokens: usize,
+    pub decode: Duration,
+    pub time_to_first_token: Duration,
+}
+
+impl Timings {
+    /// Prompt tokens per second.
+    #[must_use]
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        per_second(self.prompt_tokens, self.prefill)
+    }
+
+    /// Generated tokens per second, counting the decode steps after the first token.
+    #[must_use]
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        per_second(self.generated_tokens.saturating_sub(1), self.decode)
+    }
+}
+
+fn per_second(n: usize, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        n as f64 / d.as_secs_f64()
+    }
+}
+
+/// The result of [`Session::generate`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Generation {
+    pub tokens: Vec<Token>,
+    pub text: String,
+    /// True when the model produced an end-of-generation token before `n_predict`.
+    pub stopped_at_eog: bool,
+    pub timings: Timings,
+}
+
+/// An owned `llama_batch` sized for `n_batch` tokens of one sequence.
+struct Batch {
+    raw: sys::llama_batch,
+    capacity: usize,
+}
+
+impl Batch {
+    fn new(capacity: u32) -> Self {
+        // SAFETY: allocates arrays for `capacity` tokens with one seq id each; freed in Drop.
+        let raw = unsafe { sys::llama_batch_init(capacity as i32, 0, 1) };
+        Self { raw, capacity: capacity as usize }
+    }
+
+    /// Fills the batch with `tokens` at positions `pos0..`, sequence 0; logits only for the
+    /// last token when `logits_last`.
+    fn fill(&mut self, tokens: &[Token], pos0: u32, logits_last: bool) {
+        assert!(tokens.len() <= self.capacity, "batch overflow");
+        // SAFETY: all arrays were allocated by llama_batch_init for `capacity` entries and
+        // seq_id[i] points to room for one id.
+        unsafe {
+            for (i, &t) in tokens.iter().enumerate() {
+                *self.raw.token.add(i) = t;
+                *self.raw.pos.add(i) = (pos0 as usize + i) as i32;
+                *self.raw.n_seq_id.add(i) = 1;
+                *(*self.raw.seq_id.add(i)) = 0;
+                *self.raw.logits.add(i) = i8::from(logits_last && i + 1 == tokens.len());
+            }
+        }
+        self.raw.n_tokens = tokens.len() as i32;
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        // SAFETY: allocated by llama_batch_init, freed once.
+        unsafe { sys::llama_batch_free(self.raw) }
+    }
+}
+
+unsafe extern "C" fn abort_requested(data: *mut c_void) -> bool {
+    // SAFETY: `data` is the AtomicBool inside the Arc the session keeps alive while registered.
+    unsafe { (*(data as *const AtomicBool)).load(Ordering::Relaxed) }
+}
+
+/// A llama.cpp context on a [`Model`], holding one sequence's KV cache.
+///
+/// Tokens are appended with [`Session::evaluate`] (prompt) and [`Session::generate`]
+/// (prompt + sampling); [`Session::reset`] empties the cache.
+pub struct Session<'m> {
+    model: &'m Model,
+    ctx: NonNull<sys::llama_context>,
+    batch: Batch,
+    config: SessionConfig,
+    n_ctx: u32,
+    n_past: u32,
+    has_logits: bool,
+    interrupt: Option<Arc<AtomicBool>>,
+}
+
+// SAFETY: a llama_context may move between threads; it is only used through &mut self.
+unsafe impl Send for Session<'_> {}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        // SAFETY: owned context, freed once, before the model it borrows.
+        unsafe { sys::llama_free(self.ctx.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for Session<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("config", &self.config).field("n_ctx", &self.n_ctx).field("n_past", &self.n_past).finish()
+    }
+}
+
+impl<'m> Session<'m> {
+    /// Creates a context on `model`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for bad parameters (see [`SessionConfig::validate`]);
+    /// [`Error::ContextInit`] with llama.cpp's reason when it cannot create the context.
+    pub fn new(model: &'m Model, config: SessionConfig) -> Result<Self> {
+        config.validate()?;
+        backend::init();
+        // SAFETY: default params are plain data; we set scalar fields only.
+        let mut cp = unsafe { sys::llama_context_default_params() };
+        cp.n_ctx = config.n_ctx;
+        cp.n_batch = config.n_batch;
+        cp.n_ubatch = config.n_ubatch;
+        cp.n_seq_max = 1;
+        cp.n_threads = config.n_threads as i32;
+        cp.n_threads_batch = config.n_threads as i32;
+        cp.flash_attn_type = match config.flash_attn {
+            FlashAttention::Auto => sys::LLAMA_FLASH_ATTN_TYPE_AUTO,
+            FlashAttention::On => sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            FlashAttention::Off => sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        };
+        cp.no_perf = false;
+        backend::clear_recent_log();
+        // SAFETY: model outlives the context (lifetime 'm); ownership of the result is ours.
+        let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
+        let ctx = NonNull::new(raw).ok_or_else(|| Error::ContextInit { reason: backend::recent_log_reason() })?;
+        // SAFETY: valid context.
+        let n_ctx = unsafe { sys::llama_n_ctx(ctx.as_ptr()) };
+        let batch = Batch::new(config.n_batch);
+        Ok(Self { model, ctx, batch, config, n_ctx, n_past: 0, has_logits: false, interrupt: None })
+    }
+
+    /// The model this session runs.
+    #[must_use]
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// The parameters this session was created with.
+    #[must_use]
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    /// Context size actually allocated (llama.cpp may round up).
+    #[must_use]
+    pub fn n_ctx(&self) -> u32 {
+        self.n_ctx
+    }
+
+    /// Tokens currently in the KV cache.
+    #[must_use]
+    pub fn n_past(&self) -> u32 {
+        self.n_past
+    }
+
+    /// Registers a flag that, once set (e.g. by a Ctrl-C handler), makes the running and every
+    /// later evaluation stop with [`Error::Interrupted`].
+    pub fn set_interrupt_flag(&mut self, flag: Arc<AtomicBool>) {
+        // SAFETY: the Arc stored in `self.interrupt` keeps the AtomicBool alive for as long as
+        // the callback is registered (the context is freed before `self.interrupt` drops).
+        unsafe {
+            sys::llama_set_abort_callback(
+                self.ctx.as_ptr(),
+                Some(abort_requested),
+                Arc::as_ptr(&flag) as *mut c_void,
+            );
+        }
+        self.interrupt = Some(flag);
+    }
+
+    /// Empties the KV cache (and any per-sequence state); the next evaluation starts at 0.
+    pub fn reset(&mut self) {
+        // SAFETY: valid context; clearing with data = true also zeroes the buffers.
+        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ctx.as_ptr()), true) };
+        self.n_past = 0;
+        self.has_logits = false;
+    }
+
+    /// Appends `tokens` to the sequence, in `llama_decode` calls of at most `n_batch` tokens.
+    /// Afterwards [`Session::logits`] holds the next-token logits after the last token.
+    ///
+    /// # Errors
+    /// [`Error::EmptyPrompt`] for no tokens; [`Error::PromptTooLong`] when they do not fit in
+    /// the context; [`Error::Interrupted`] when the interrupt flag was set (the cache is then
+    /// reset); [`Error::Decode`] for other llama.cpp failures.
+    pub fn evaluate(&mut self, tokens: &[Token]) -> Result<()> {
+        self.evaluate_with_progress(tokens, |_, _| {})
+    }
+
+    /// [`Session::evaluate`], calling `progress(done, total)` after every `llama_decode` call.
+    ///
+    /// # Errors
+    /// As [`Session::evaluate`].
+    pub fn evaluate_with_progress(&mut self, tokens: &[Token], mut progress: impl FnMut(usize, usize)) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let total = self.n_past as usize + tokens.len();
+        if total > self.n_ctx as usize {
+            return Err(Error::PromptTooLong { n_tokens: total, n_ctx: self.n_ctx, n_ctx_train: self.model.n_ctx_train() });
+        }
+        let vocab = self.model.n_vocab() as i32;
+        if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(Error::Tokenize(format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+        }
+        self.has_logits = false;
+        let mut done = 0;
+        for piece in tokens.chunks(self.config.n_batch as usize) {
+            let last = done + piece.len() == tokens.len();
+            self.batch.fill(piece, self.n_past, last);
+            // SAFETY: valid context and a batch filled within its capacity.
+            let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch.raw) };
+            if rc != 0 {
+                let err = DecodeError::from_code(rc);
+                if err == DecodeError::Aborted || self.interrupted() {
+                    // Part of the batch may be in the cache: start clean rather than guess.
+                    self.reset();
+                    return Err(Error::Interrupted);
+                }
+                return Err(Error::Decode(err));
+            }
+            self.n_past += piece.len() as u32;
+            done += piece.len();
+            progress(done, tokens.len());
+        }
+        self.has_logits = true;
+        Ok(())
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt.as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+
+    /// Next-token logits after the last evaluated token (`n_vocab` values), or `None` before
+    /// any evaluation.
+    #[must_use]
+    pub fn logits(&self) -> Option<&[f32]> {
+        if !self.has_logits {
+            return None;
+        }
+        // SAFETY: the last decode requested logits for its last token; llama.cpp keeps them
+        // until the next decode, which needs &mut self.
+        unsafe {
+            let p = sys::llama_get_logits_ith(self.ctx.as_ptr(), -1);
+            if p.is_null() {
+                None
+            } else {
+                Some(std::slice::from_raw_parts(p, self.model.n_vocab()))
+            }
+        }
+    }
+
+    /// Evaluates `prompt`, then samples up to `n_predict` tokens, stopping early at an
+    /// end-of-generation token or when `on_text` returns false. `on_text` receives the
+    /// generated text in complete UTF-8 pieces as it is produced.
+    ///
+    /// # Errors
+    /// As [`Session::evaluate`]; [`Error::PromptTooLong`] also when prompt + `n_predict`
+    /// exceeds the context.
+    pub fn generate(
+        &mut self,
+        prompt: &[Token],
+        sampler: &mut Sampler,
+        n_predict: usize,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Generation> {
+        let needed = self.n_past as usize + prompt.len() + n_predict;
+        if needed > self.n_ctx as usize {
+            return Err(Error::PromptTooLong { n_tokens: needed, n_ctx: self.n_ctx, n_ctx_train: self.model.n_ctx_train() });
+        }
+        let mut timings = Timings { prompt_tokens: prompt.len(), ..Timings::default() };
+        let start = Instant::now();
+        self.evaluate(prompt)?;
+        timings.prefill = start.elapsed();
+
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        let mut pending: Vec<u8> = Vec::new();
+        let mut stopped_at_eog = false;
+        let decode_start = Instant::now();
+        while tokens.len() < n_predict {
+            let token = sampler.sample(self.ctx.as_ptr());
+            if tokens.is_empty() {
+                timings.time_to_first_token = start.elapsed();
+            }
+            if self.model.is_end_of_generation(token) {
+                stopped_at_eog = true;
+                break;
+            }
+            tokens.push(token);
+            pending.extend(self.model.token_bytes(token, false));
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(s) => s.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(), // incomplete tail: wait
+                Err(_) => pending.len(),                               // invalid: flush lossily
+            };
+            let piece = String::from_utf8_lossy(&pending[..valid]).into_owned();
+            pending.drain(..valid);
+            text.push_str(&piece);
+            let keep_going = piece.is_empty() || on_text(&piece);
+            if !keep_going || tokens.len() == n_predict {
+                break;
+            }
+            self.evaluate(&[token])?;
+        }
+        if !pending.is_empty() {
+            let piece = String::from_utf8_lossy(&pending).into_owned();
+            on_text(&piece);
+            text.push_str(&piece);
+        }
+        timings.generated_tokens = tokens.len();
+        timings.decode = decode_start.elapsed();
+        Ok(Generation { tokens, text, stopped_at_eog, timings })
+    }
+}
