@@ -466,7 +466,7 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
     let mut header_digests: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
     let mut h = Sha256::new();
     digest_headers(tree, &[tree.join("ggml/include"), ggml_src.clone()], false, &mut h);
-    digest_headers(tree, &[cpu_src.clone()], true, &mut h);
+    digest_headers(tree, std::slice::from_ref(&cpu_src), true, &mut h);
     digest_headers(gen_dir, &[gen_dir.to_path_buf()], false, &mut h);
     let ggml_digest = h.clone().finalize().to_vec();
     digest_headers(tree, &[tree.join("include"), llama_src.clone()], true, &mut h);

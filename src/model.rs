@@ -12,16 +12,10 @@ use crate::{backend, sys};
 pub type Token = i32;
 
 /// How to load a model.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ModelParams {
     /// Layers to offload to a GPU (`-ngl`); 0 keeps everything on the CPU.
     pub n_gpu_layers: i32,
-}
-
-impl Default for ModelParams {
-    fn default() -> Self {
-        Self { n_gpu_layers: 0 }
-    }
 }
 
 /// A model loaded by llama.cpp. Owns the `llama_model`; freed on drop.

@@ -398,6 +398,22 @@ impl<'m> Session<'m> {
         prompt: &[Token],
         sampler: &mut Sampler,
         n_predict: usize,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Generation> {
+        self.generate_with_progress(prompt, sampler, n_predict, |_, _| {}, on_text)
+    }
+
+    /// [`Session::generate`], calling `progress(done, total)` as prompt tokens are evaluated
+    /// (after every `llama_decode` call of the prefill).
+    ///
+    /// # Errors
+    /// As [`Session::generate`].
+    pub fn generate_with_progress(
+        &mut self,
+        prompt: &[Token],
+        sampler: &mut Sampler,
+        n_predict: usize,
+        progress: impl FnMut(usize, usize),
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<Generation> {
         let needed = self.n_past as usize + prompt.len() + n_predict;
@@ -406,7 +422,7 @@ impl<'m> Session<'m> {
         }
         let mut timings = Timings { prompt_tokens: prompt.len(), ..Timings::default() };
         let start = Instant::now();
-        self.evaluate(prompt)?;
+        self.evaluate_with_progress(prompt, progress)?;
         timings.prefill = start.elapsed();
 
         let mut tokens = Vec::new();

@@ -267,7 +267,12 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     }
     let mut stdout = std::io::stdout().lock();
     let mut first = true;
-    let generation = session.generate(&prompt, &mut sampler, cli.n_predict, |piece| {
+    let progress = |done: usize, total: usize| {
+        if show_progress {
+            eprint!("\r\x1b[Kprefill: {done}/{total} prompt tokens");
+        }
+    };
+    let generation = session.generate_with_progress(&prompt, &mut sampler, cli.n_predict, progress, |piece| {
         if first && show_progress {
             eprint!("\r\x1b[K");
         }
@@ -279,6 +284,9 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         true
     });
     let generation = generation?;
+    if first && show_progress {
+        eprint!("\r\x1b[K"); // nothing was generated: clear the progress line ourselves
+    }
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
     if cli.json {
