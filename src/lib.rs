@@ -29,6 +29,7 @@ pub mod sys;
 mod backend;
 pub mod default_model;
 pub mod demo;
+pub mod reference;
 mod error;
 mod model;
 mod sampler;
