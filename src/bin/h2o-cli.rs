@@ -266,27 +266,20 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         }
     }
     let mut stdout = std::io::stdout().lock();
-    let mut first = true;
     let progress = |done: usize, total: usize| {
-        if show_progress {
+        if show_progress && done < total {
             eprint!("\r\x1b[Kprefill: {done}/{total} prompt tokens");
+        } else if show_progress {
+            eprint!("\r\x1b[K"); // prefill over: leave the line to the generated text
         }
     };
     let generation = session.generate_with_progress(&prompt, &mut sampler, cli.n_predict, progress, |piece| {
-        if first && show_progress {
-            eprint!("\r\x1b[K");
-        }
-        first = false;
         if !cli.json {
             let _ = stdout.write_all(piece.as_bytes());
             let _ = stdout.flush();
         }
         true
-    });
-    let generation = generation?;
-    if first && show_progress {
-        eprint!("\r\x1b[K"); // nothing was generated: clear the progress line ourselves
-    }
+    })?;
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
     if cli.json {
