@@ -8,18 +8,30 @@
 
 use std::io::Write;
 
-use h2o_llama::{default_model, Model, ModelParams, Sampler, SamplerConfig, Session, SessionConfig};
+use h2o_llama::{
+    default_model, Model, ModelParams, Sampler, SamplerConfig, Session, SessionConfig,
+};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt = std::env::args().skip(1).collect::<Vec<_>>().join(" ");
-    let prompt = if prompt.is_empty() { "The tallest mountain on Earth is".to_string() } else { prompt };
+    let prompt = if prompt.is_empty() {
+        "The tallest mountain on Earth is".to_string()
+    } else {
+        prompt
+    };
 
     let path = match std::env::var_os("H2O_LLAMA_MODEL") {
         Some(p) => p.into(),
         None => default_model::ensure(|msg| eprintln!("{msg}"))?,
     };
     let model = Model::load(&path, &ModelParams::default())?;
-    let mut session = Session::new(&model, SessionConfig { n_ctx: 2048, ..SessionConfig::default() })?;
+    let mut session = Session::new(
+        &model,
+        SessionConfig {
+            n_ctx: 2048,
+            ..SessionConfig::default()
+        },
+    )?;
     let mut sampler = Sampler::new(&SamplerConfig::greedy())?;
 
     for text in [prompt.as_str(), "A second, unrelated prompt:"] {

@@ -47,7 +47,11 @@ pub(crate) fn clear_recent_log() {
 /// generic text when it logged nothing.
 pub(crate) fn recent_log_reason() -> String {
     let recent = RECENT.lock().unwrap_or_else(|e| e.into_inner());
-    let lines: Vec<&str> = recent.iter().map(|s| s.trim()).filter(|s| !s.is_empty()).collect();
+    let lines: Vec<&str> = recent
+        .iter()
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .collect();
     if lines.is_empty() {
         "no reason given by llama.cpp".to_string()
     } else {

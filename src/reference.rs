@@ -30,7 +30,9 @@ impl H2oParams {
 #[must_use]
 pub fn chunk_bounds(n_tokens: usize, chunk: usize) -> Vec<Range<usize>> {
     assert!(chunk > 0, "chunk size must be positive");
-    (0..n_tokens.div_ceil(chunk)).map(|c| c * chunk..((c + 1) * chunk).min(n_tokens)).collect()
+    (0..n_tokens.div_ceil(chunk))
+        .map(|c| c * chunk..((c + 1) * chunk).min(n_tokens))
+        .collect()
 }
 
 /// A memory set as stored by the engine: `M` slots of ascending positions, unused slots −1.
@@ -57,7 +59,11 @@ pub fn build_memory_set(
     scores: &[f64],
 ) -> MemorySet {
     let local = chunk.end.saturating_sub(params.local)..chunk.end;
-    let mut candidates: Vec<usize> = previous.into_iter().flat_map(MemorySet::positions).chain(chunk.clone()).collect();
+    let mut candidates: Vec<usize> = previous
+        .into_iter()
+        .flat_map(MemorySet::positions)
+        .chain(chunk.clone())
+        .collect();
     candidates.sort_unstable();
     candidates.dedup();
     candidates.retain(|p| !local.contains(p));
@@ -84,7 +90,11 @@ impl PartialSoftmax {
     /// The state of attending to no key: contributes nothing to a merge.
     #[must_use]
     pub fn empty(dv: usize) -> Self {
-        Self { m: f64::NEG_INFINITY, l: 0.0, o: vec![0.0; dv] }
+        Self {
+            m: f64::NEG_INFINITY,
+            l: 0.0,
+            o: vec![0.0; dv],
+        }
     }
 
     /// The normalised output `o / l`.
@@ -105,7 +115,11 @@ pub fn merge_partial_softmax(a: &PartialSoftmax, b: &PartialSoftmax) -> PartialS
     }
     let m = a.m.max(b.m);
     let (wa, wb) = ((a.m - m).exp(), (b.m - m).exp());
-    PartialSoftmax { m, l: a.l * wa + b.l * wb, o: a.o.iter().zip(&b.o).map(|(x, y)| x * wa + y * wb).collect() }
+    PartialSoftmax {
+        m,
+        l: a.l * wa + b.l * wb,
+        o: a.o.iter().zip(&b.o).map(|(x, y)| x * wa + y * wb).collect(),
+    }
 }
 
 /// Row-major matrix of `rows × cols`.
@@ -134,7 +148,13 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// Softmax of query `i` over `keys`: the partial state and the attention weights (one per key).
-fn attend(q: &[f64], k: &Matrix, v: &Matrix, scale: f64, keys: &[usize]) -> (PartialSoftmax, Vec<f64>) {
+fn attend(
+    q: &[f64],
+    k: &Matrix,
+    v: &Matrix,
+    scale: f64,
+    keys: &[usize],
+) -> (PartialSoftmax, Vec<f64>) {
     if keys.is_empty() {
         return (PartialSoftmax::empty(v.cols), vec![]);
     }
@@ -168,16 +188,28 @@ pub struct HeadResult {
 /// H2O attention of one query head against its KV head (SPEC items 1–6).
 /// `q`, `k`: `N × d`; `v`: `N × dv`; `scale` is the logit scale (1/√d usually).
 #[must_use]
-pub fn h2o_attention_head(q: &Matrix, k: &Matrix, v: &Matrix, scale: f64, params: &H2oParams) -> HeadResult {
+pub fn h2o_attention_head(
+    q: &Matrix,
+    k: &Matrix,
+    v: &Matrix,
+    scale: f64,
+    params: &H2oParams,
+) -> HeadResult {
     let n = q.rows;
-    assert!(k.rows == n && v.rows == n && k.cols == q.cols, "q, k, v disagree in shape");
+    assert!(
+        k.rows == n && v.rows == n && k.cols == q.cols,
+        "q, k, v disagree in shape"
+    );
     let mut output = Matrix::new(n, v.cols, vec![0.0; n * v.cols]);
     let mut scores = vec![0.0; n];
     let mut memory_sets: Vec<MemorySet> = Vec::new();
     let mut key_sets = Vec::with_capacity(n);
     let chunks = chunk_bounds(n, params.chunk);
     for (c, chunk) in chunks.iter().enumerate() {
-        let memory: Vec<usize> = memory_sets.last().map(|m| m.positions().collect()).unwrap_or_default();
+        let memory: Vec<usize> = memory_sets
+            .last()
+            .map(|m| m.positions().collect())
+            .unwrap_or_default();
         for i in chunk.clone() {
             let intra_keys: Vec<usize> = (chunk.start..=i).collect();
             let (intra, a_intra) = attend(q.row(i), k, v, scale, &intra_keys);
@@ -199,7 +231,12 @@ pub fn h2o_attention_head(q: &Matrix, k: &Matrix, v: &Matrix, scale: f64, params
             memory_sets.push(set);
         }
     }
-    HeadResult { output, memory_sets, scores, key_sets }
+    HeadResult {
+        output,
+        memory_sets,
+        scores,
+        key_sets,
+    }
 }
 
 /// H2O attention for all query heads; `q[h]` uses KV head `h / (n_head / n_head_kv)` (GQA).
@@ -207,15 +244,33 @@ pub fn h2o_attention_head(q: &Matrix, k: &Matrix, v: &Matrix, scale: f64, params
 /// # Panics
 /// If `q.len()` is not a multiple of `k.len()` or `k.len() != v.len()`.
 #[must_use]
-pub fn h2o_attention(q: &[Matrix], k: &[Matrix], v: &[Matrix], scale: f64, params: &H2oParams) -> Vec<HeadResult> {
-    assert!(!k.is_empty() && k.len() == v.len() && q.len().is_multiple_of(k.len()), "bad head counts");
+pub fn h2o_attention(
+    q: &[Matrix],
+    k: &[Matrix],
+    v: &[Matrix],
+    scale: f64,
+    params: &H2oParams,
+) -> Vec<HeadResult> {
+    assert!(
+        !k.is_empty() && k.len() == v.len() && q.len().is_multiple_of(k.len()),
+        "bad head counts"
+    );
     let group = q.len() / k.len();
-    q.iter().enumerate().map(|(h, qh)| h2o_attention_head(qh, &k[h / group], &v[h / group], scale, params)).collect()
+    q.iter()
+        .enumerate()
+        .map(|(h, qh)| h2o_attention_head(qh, &k[h / group], &v[h / group], scale, params))
+        .collect()
 }
 
 /// Dense softmax attention of each query `i` over the explicit key set `key_sets[i]`.
 #[must_use]
-pub fn dense_attention(q: &Matrix, k: &Matrix, v: &Matrix, scale: f64, key_sets: &[Vec<usize>]) -> Matrix {
+pub fn dense_attention(
+    q: &Matrix,
+    k: &Matrix,
+    v: &Matrix,
+    scale: f64,
+    key_sets: &[Vec<usize>],
+) -> Matrix {
     let mut out = Vec::with_capacity(q.rows * v.cols);
     for (i, keys) in key_sets.iter().enumerate() {
         out.extend(attend(q.row(i), k, v, scale, keys).0.output());
@@ -237,7 +292,11 @@ mod tests {
             (self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
         }
         fn matrix(&mut self, rows: usize, cols: usize, amp: f64) -> Matrix {
-            Matrix::new(rows, cols, (0..rows * cols).map(|_| amp * self.next()).collect())
+            Matrix::new(
+                rows,
+                cols,
+                (0..rows * cols).map(|_| amp * self.next()).collect(),
+            )
         }
     }
 
@@ -246,7 +305,11 @@ mod tests {
     fn run(n: usize, params: H2oParams, seed: u64) -> (Matrix, Matrix, Matrix, HeadResult) {
         let mut rng = Rng(seed);
         // Amplitude 2 makes attention peaked enough for selections to depend on the data.
-        let (q, k, v) = (rng.matrix(n, D, 2.0), rng.matrix(n, D, 2.0), rng.matrix(n, D, 1.0));
+        let (q, k, v) = (
+            rng.matrix(n, D, 2.0),
+            rng.matrix(n, D, 2.0),
+            rng.matrix(n, D, 1.0),
+        );
         let r = h2o_attention_head(&q, &k, &v, 1.0 / (D as f64).sqrt(), &params);
         (q, k, v, r)
     }
@@ -256,7 +319,11 @@ mod tests {
         (0..n)
             .map(|i| {
                 let c = i / s;
-                let mut keys: Vec<usize> = if c == 0 { vec![] } else { memory_sets[c - 1].positions().collect() };
+                let mut keys: Vec<usize> = if c == 0 {
+                    vec![]
+                } else {
+                    memory_sets[c - 1].positions().collect()
+                };
                 keys.extend(c * s..=i);
                 keys
             })
@@ -268,18 +335,35 @@ mod tests {
         let sets = expected_key_sets(n, params.chunk, &r.memory_sets);
         assert_eq!(r.key_sets, sets);
         let dense = dense_attention(&q, &k, &v, 1.0 / (D as f64).sqrt(), &sets);
-        let err = r.output.data.iter().zip(&dense.data).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-        assert!(err < 1e-12, "n={n} {params:?}: merged output differs from dense by {err}");
+        let err = r
+            .output
+            .data
+            .iter()
+            .zip(&dense.data)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            err < 1e-12,
+            "n={n} {params:?}: merged output differs from dense by {err}"
+        );
         // Memory-set invariants: M slots, ascending, in range, before the next chunk, padded with -1 only at the end.
         for (c, m) in r.memory_sets.iter().enumerate() {
             assert_eq!(m.slots.len(), params.memory_size());
             let pos: Vec<usize> = m.positions().collect();
-            assert!(pos.windows(2).all(|w| w[0] < w[1]), "not sorted: {:?}", m.slots);
+            assert!(
+                pos.windows(2).all(|w| w[0] < w[1]),
+                "not sorted: {:?}",
+                m.slots
+            );
             assert!(pos.iter().all(|&p| p < (c + 1) * params.chunk));
             assert!(m.slots.iter().skip(pos.len()).all(|&s| s == -1));
             let end = (c + 1) * params.chunk;
             let local: Vec<usize> = (end.saturating_sub(params.local)..end).collect();
-            assert!(local.iter().all(|p| pos.contains(p)), "local window missing from {:?}", m.slots);
+            assert!(
+                local.iter().all(|p| pos.contains(p)),
+                "local window missing from {:?}",
+                m.slots
+            );
         }
         r
     }
@@ -295,7 +379,11 @@ mod tests {
     #[test]
     fn merge_is_exact() {
         let mut rng = Rng(3);
-        let (q, k, v) = (rng.matrix(1, D, 3.0), rng.matrix(10, D, 3.0), rng.matrix(10, 5, 1.0));
+        let (q, k, v) = (
+            rng.matrix(1, D, 3.0),
+            rng.matrix(10, D, 3.0),
+            rng.matrix(10, 5, 1.0),
+        );
         let all: Vec<usize> = (0..10).collect();
         let (whole, _) = attend(q.row(0), &k, &v, 0.5, &all);
         let (a, _) = attend(q.row(0), &k, &v, 0.5, &all[..3]);
@@ -313,15 +401,31 @@ mod tests {
     fn single_chunk_is_plain_causal_attention() {
         // N = S and N < S: one chunk, no memory, exactly stock's key set (SPEC item 8).
         for n in [16, 11] {
-            let r = assert_matches_dense(n, H2oParams { chunk: 16, local: 4, heavy: 4 }, 1);
+            let r = assert_matches_dense(
+                n,
+                H2oParams {
+                    chunk: 16,
+                    local: 4,
+                    heavy: 4,
+                },
+                1,
+            );
             assert!(r.memory_sets.is_empty());
-            assert!(r.key_sets.iter().enumerate().all(|(i, ks)| *ks == (0..=i).collect::<Vec<_>>()));
+            assert!(r
+                .key_sets
+                .iter()
+                .enumerate()
+                .all(|(i, ks)| *ks == (0..=i).collect::<Vec<_>>()));
         }
     }
 
     #[test]
     fn chunk_zero_partial_last_chunk_and_two_s_minus_one() {
-        let p = H2oParams { chunk: 16, local: 4, heavy: 4 };
+        let p = H2oParams {
+            chunk: 16,
+            local: 4,
+            heavy: 4,
+        };
         for n in [31, 32, 33, 50, 64] {
             let r = assert_matches_dense(n, p, 7 + n as u64);
             assert_eq!(r.memory_sets.len(), n.div_ceil(16) - 1);
@@ -333,21 +437,44 @@ mod tests {
     #[test]
     fn local_only_heavy_only_and_memory_close_to_chunk() {
         for p in [
-            H2oParams { chunk: 16, local: 0, heavy: 6 },
-            H2oParams { chunk: 16, local: 6, heavy: 0 },
-            H2oParams { chunk: 16, local: 7, heavy: 8 }, // M = S - 1
-            H2oParams { chunk: 16, local: 1, heavy: 14 },
+            H2oParams {
+                chunk: 16,
+                local: 0,
+                heavy: 6,
+            },
+            H2oParams {
+                chunk: 16,
+                local: 6,
+                heavy: 0,
+            },
+            H2oParams {
+                chunk: 16,
+                local: 7,
+                heavy: 8,
+            }, // M = S - 1
+            H2oParams {
+                chunk: 16,
+                local: 1,
+                heavy: 14,
+            },
         ] {
             let r = assert_matches_dense(70, p, 11);
             for m in &r.memory_sets {
                 let used = m.positions().count();
-                assert_eq!(used, p.memory_size(), "{p:?}: enough candidates exist, so every slot is used");
+                assert_eq!(
+                    used,
+                    p.memory_size(),
+                    "{p:?}: enough candidates exist, so every slot is used"
+                );
             }
             if p.heavy == 0 {
                 // Local only: memory = last L positions of the previous chunk.
                 for (c, m) in r.memory_sets.iter().enumerate() {
                     let end = (c + 1) * 16;
-                    assert_eq!(m.positions().collect::<Vec<_>>(), (end - p.local..end).collect::<Vec<_>>());
+                    assert_eq!(
+                        m.positions().collect::<Vec<_>>(),
+                        (end - p.local..end).collect::<Vec<_>>()
+                    );
                 }
             }
         }
@@ -355,13 +482,21 @@ mod tests {
 
     #[test]
     fn scores_follow_the_spec_definition() {
-        let p = H2oParams { chunk: 8, local: 2, heavy: 3 };
+        let p = H2oParams {
+            chunk: 8,
+            local: 2,
+            heavy: 3,
+        };
         let (_, _, _, r) = run(20, p, 5);
         // Every softmax row sums to 1: intra contributes |C_c| per chunk, inter |C_c| when
         // the memory is non-empty (chunks >= 1).
         let chunks = chunk_bounds(20, 8);
         let total: f64 = r.scores.iter().sum();
-        let expected: f64 = chunks.iter().enumerate().map(|(c, ch)| ch.len() as f64 * if c == 0 { 1.0 } else { 2.0 }).sum();
+        let expected: f64 = chunks
+            .iter()
+            .enumerate()
+            .map(|(c, ch)| ch.len() as f64 * if c == 0 { 1.0 } else { 2.0 })
+            .sum();
         assert!((total - expected).abs() < 1e-9, "{total} vs {expected}");
         // The last query of a chunk attends to itself only through the intra part: s(j) >= A(j, j) > 0.
         assert!(r.scores.iter().all(|&s| s > 0.0));
@@ -369,9 +504,20 @@ mod tests {
 
     #[test]
     fn heavy_hitters_are_the_top_scores_with_ties_to_lower_positions() {
-        let p = H2oParams { chunk: 8, local: 2, heavy: 3 };
+        let p = H2oParams {
+            chunk: 8,
+            local: 2,
+            heavy: 3,
+        };
         let mut scores = vec![0.0; 16];
-        for (pos, s) in [(1, 5.0), (3, 5.0), (5, 9.0), (2, 1.0), (6, 100.0), (7, 100.0)] {
+        for (pos, s) in [
+            (1, 5.0),
+            (3, 5.0),
+            (5, 9.0),
+            (2, 1.0),
+            (6, 100.0),
+            (7, 100.0),
+        ] {
             scores[pos] = s;
         }
         // Positions 6, 7 are local (end 8, L 2); heavy = 5 (9.0), then 1 and 3 tie at 5.0: both fit.
@@ -379,19 +525,38 @@ mod tests {
         assert_eq!(m.slots, vec![1, 3, 5, 6, 7]);
         // Ties beyond the budget go to the lower position.
         let p2 = H2oParams { heavy: 2, ..p };
-        assert_eq!(build_memory_set(&p2, None, 0..8, &scores).slots, vec![1, 5, 6, 7]);
+        assert_eq!(
+            build_memory_set(&p2, None, 0..8, &scores).slots,
+            vec![1, 5, 6, 7]
+        );
         // All-equal scores: the lowest positions win.
         let flat = vec![0.5; 16];
-        assert_eq!(build_memory_set(&p, None, 0..8, &flat).slots, vec![0, 1, 2, 6, 7]);
+        assert_eq!(
+            build_memory_set(&p, None, 0..8, &flat).slots,
+            vec![0, 1, 2, 6, 7]
+        );
         // Survival across chunks: a previous heavy hitter stays a candidate; the old local window too.
-        let prev = MemorySet { slots: vec![1, 3, 5, 6, 7] };
+        let prev = MemorySet {
+            slots: vec![1, 3, 5, 6, 7],
+        };
         let mut s2 = scores.clone();
         s2[12] = 50.0;
         let m2 = build_memory_set(&p, Some(&prev), 8..16, &s2);
-        assert_eq!(m2.slots, vec![6, 7, 12, 14, 15], "top scores among memory ∪ chunk: 6, 7 (100), 12 (50)");
+        assert_eq!(
+            m2.slots,
+            vec![6, 7, 12, 14, 15],
+            "top scores among memory ∪ chunk: 6, 7 (100), 12 (50)"
+        );
         // Too few candidates: unused slots are -1.
-        let p3 = H2oParams { chunk: 8, local: 2, heavy: 5 };
-        assert_eq!(build_memory_set(&p3, None, 0..4, &flat).slots, vec![0, 1, 2, 3, -1, -1, -1]);
+        let p3 = H2oParams {
+            chunk: 8,
+            local: 2,
+            heavy: 5,
+        };
+        assert_eq!(
+            build_memory_set(&p3, None, 0..4, &flat).slots,
+            vec![0, 1, 2, 3, -1, -1, -1]
+        );
     }
 
     #[test]
@@ -401,7 +566,11 @@ mod tests {
         let q: Vec<Matrix> = (0..n_head).map(|_| rng.matrix(n, D, 2.5)).collect();
         let k: Vec<Matrix> = (0..n_head_kv).map(|_| rng.matrix(n, D, 2.5)).collect();
         let v: Vec<Matrix> = (0..n_head_kv).map(|_| rng.matrix(n, D, 1.0)).collect();
-        let p = H2oParams { chunk: 16, local: 3, heavy: 5 };
+        let p = H2oParams {
+            chunk: 16,
+            local: 3,
+            heavy: 5,
+        };
         let scale = 1.0 / (D as f64).sqrt();
         let results = h2o_attention(&q, &k, &v, scale, &p);
         for (h, r) in results.iter().enumerate() {
@@ -409,12 +578,22 @@ mod tests {
             // Each head equals the single-head computation against its KV head.
             assert_eq!(*r, h2o_attention_head(&q[h], &k[kv], &v[kv], scale, &p));
             let dense = dense_attention(&q[h], &k[kv], &v[kv], scale, &r.key_sets);
-            let err = r.output.data.iter().zip(&dense.data).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+            let err = r
+                .output
+                .data
+                .iter()
+                .zip(&dense.data)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
             assert!(err < 1e-12);
         }
         // Selection is per query head: heads sharing a KV head still pick different heavy hitters.
-        let distinct: std::collections::HashSet<_> = results.iter().map(|r| r.memory_sets.clone()).collect();
+        let distinct: std::collections::HashSet<_> =
+            results.iter().map(|r| r.memory_sets.clone()).collect();
         assert!(distinct.len() > 1, "all heads selected the same memory");
-        assert_ne!(results[0].memory_sets, results[1].memory_sets, "heads 0 and 1 share KV head 0 but should differ");
+        assert_ne!(
+            results[0].memory_sets, results[1].memory_sets,
+            "heads 0 and 1 share KV head 0 but should differ"
+        );
     }
 }

@@ -22,14 +22,24 @@ impl SamplerConfig {
     /// Deterministic argmax sampling.
     #[must_use]
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
 impl Default for SamplerConfig {
     /// llama.cpp's defaults: temperature 0.8, top-k 40, top-p 0.95.
     fn default() -> Self {
-        Self { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 0xC0FFEE }
+        Self {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 0xC0FFEE,
+        }
     }
 }
 
@@ -59,26 +69,42 @@ impl Sampler {
             return Err(Error::InvalidConfig("temperature is NaN".into()));
         }
         if !(config.top_p > 0.0 && config.top_p <= 1.0) {
-            return Err(Error::InvalidConfig(format!("top-p must be in (0, 1], got {}", config.top_p)));
+            return Err(Error::InvalidConfig(format!(
+                "top-p must be in (0, 1], got {}",
+                config.top_p
+            )));
         }
         crate::backend::init();
         // SAFETY: each llama_sampler_init_* returns a new sampler whose ownership passes to the
         // chain on llama_sampler_chain_add; the chain is owned by `Sampler`.
         unsafe {
             let chain = sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
-            let chain = NonNull::new(chain).ok_or_else(|| Error::InvalidConfig("cannot create sampler".into()))?;
+            let chain = NonNull::new(chain)
+                .ok_or_else(|| Error::InvalidConfig("cannot create sampler".into()))?;
             let this = Self { ptr: chain };
             if config.temperature <= 0.0 {
                 sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_greedy());
             } else {
                 if config.top_k > 0 {
-                    sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_top_k(config.top_k));
+                    sys::llama_sampler_chain_add(
+                        chain.as_ptr(),
+                        sys::llama_sampler_init_top_k(config.top_k),
+                    );
                 }
                 if config.top_p < 1.0 {
-                    sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_top_p(config.top_p, 1));
+                    sys::llama_sampler_chain_add(
+                        chain.as_ptr(),
+                        sys::llama_sampler_init_top_p(config.top_p, 1),
+                    );
                 }
-                sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_temp(config.temperature));
-                sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_dist(config.seed));
+                sys::llama_sampler_chain_add(
+                    chain.as_ptr(),
+                    sys::llama_sampler_init_temp(config.temperature),
+                );
+                sys::llama_sampler_chain_add(
+                    chain.as_ptr(),
+                    sys::llama_sampler_init_dist(config.seed),
+                );
             }
             Ok(this)
         }

@@ -37,7 +37,14 @@ fn builds_as_a_path_dependency_of_another_workspace() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "downstream build failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(stdout.trim(), format!("upstream {} patched true", h2o_llama::UPSTREAM_VERSION));
+    assert!(
+        out.status.success(),
+        "downstream build failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.trim(),
+        format!("upstream {} patched true", h2o_llama::UPSTREAM_VERSION)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -18,7 +18,10 @@ fn files(root: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
                 }
                 walk(root, &p, out);
             } else {
-                out.insert(p.strip_prefix(root).unwrap().to_path_buf(), std::fs::read(&p).unwrap());
+                out.insert(
+                    p.strip_prefix(root).unwrap().to_path_buf(),
+                    std::fs::read(&p).unwrap(),
+                );
             }
         }
     }
@@ -49,10 +52,26 @@ fn series() -> Vec<String> {
 fn pristine_tree_matches_the_pinned_checksum() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let lock = std::fs::read_to_string(root.join("vendor/pin/Cargo.lock")).unwrap();
-    let block = lock.split("[[package]]").find(|b| b.contains("name = \"llama-cpp-sys-2\"")).unwrap();
-    let pinned = block.lines().find_map(|l| l.strip_prefix("checksum = ")).unwrap().trim_matches('"');
-    let recorded = std::fs::read_to_string(Path::new(PRISTINE).parent().unwrap().join(".cargo-checksum.json")).unwrap();
-    assert!(recorded.contains(&format!("\"package\":\"{pinned}\"")), "vendored crate does not match the pin {pinned}");
+    let block = lock
+        .split("[[package]]")
+        .find(|b| b.contains("name = \"llama-cpp-sys-2\""))
+        .unwrap();
+    let pinned = block
+        .lines()
+        .find_map(|l| l.strip_prefix("checksum = "))
+        .unwrap()
+        .trim_matches('"');
+    let recorded = std::fs::read_to_string(
+        Path::new(PRISTINE)
+            .parent()
+            .unwrap()
+            .join(".cargo-checksum.json"),
+    )
+    .unwrap();
+    assert!(
+        recorded.contains(&format!("\"package\":\"{pinned}\"")),
+        "vendored crate does not match the pin {pinned}"
+    );
     assert!(block.contains(&format!("version = \"{}\"", h2o_llama::UPSTREAM_VERSION)));
 }
 
@@ -70,7 +89,11 @@ fn series_applies_in_order_and_equals_the_built_tree() {
             .env("GIT_CEILING_DIRECTORIES", work.parent().unwrap())
             .output()
             .unwrap();
-        assert!(out.status.success(), "patch {name} does not apply: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "patch {name} does not apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let expected = files(&work);
     let built = files(Path::new(BUILT));
@@ -80,9 +103,16 @@ fn series_applies_in_order_and_equals_the_built_tree() {
         .chain(built.keys())
         .filter(|k| expected.get(*k) != built.get(*k))
         .collect();
-    assert!(differing.is_empty(), "built tree differs from pristine + series in {differing:?}");
+    assert!(
+        differing.is_empty(),
+        "built tree differs from pristine + series in {differing:?}"
+    );
     // And the pristine tree itself was not modified in place.
     if !series().is_empty() {
-        assert_ne!(files(Path::new(PRISTINE)), built, "the pristine tree was patched in place");
+        assert_ne!(
+            files(Path::new(PRISTINE)),
+            built,
+            "the pristine tree was patched in place"
+        );
     }
 }

@@ -3,16 +3,27 @@
 
 mod common;
 
-use h2o_llama::{Error, H2oConfig, Model, ModelParams, Sampler, SamplerConfig, Session, SessionConfig};
+use h2o_llama::{
+    Error, H2oConfig, Model, ModelParams, Sampler, SamplerConfig, Session, SessionConfig,
+};
 
 fn small_config() -> SessionConfig {
-    SessionConfig { n_ctx: 2048, n_batch: 512, n_ubatch: 256, n_threads: 2, ..SessionConfig::default() }
+    SessionConfig {
+        n_ctx: 2048,
+        n_batch: 512,
+        n_ubatch: 256,
+        n_threads: 2,
+        ..SessionConfig::default()
+    }
 }
 
 fn greedy(session: &mut Session<'_>, prompt: &str, n: usize) -> Vec<i32> {
     let tokens = session.model().tokenize(prompt, true, true).unwrap();
     let mut sampler = Sampler::new(&SamplerConfig::greedy()).unwrap();
-    session.generate(&tokens, &mut sampler, n, |_| true).unwrap().tokens
+    session
+        .generate(&tokens, &mut sampler, n, |_| true)
+        .unwrap()
+        .tokens
 }
 
 #[test]
@@ -41,7 +52,10 @@ fn tokenize_detokenize_round_trips() {
         assert!(!tokens.is_empty());
         assert_eq!(m.detokenize(&tokens), text, "round trip of {text:?}");
         // Piece by piece, too (the streaming path).
-        let bytes: Vec<u8> = tokens.iter().flat_map(|&t| m.token_bytes(t, false)).collect();
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .flat_map(|&t| m.token_bytes(t, false))
+            .collect();
         assert_eq!(String::from_utf8(bytes).unwrap(), text);
     }
 }
@@ -58,21 +72,36 @@ fn greedy_generation_is_deterministic_across_sessions_and_after_reset() {
     let prompt = "The three primary colours are";
     let mut a = Session::new(m, small_config()).unwrap();
     let first = greedy(&mut a, prompt, 24);
-    assert_eq!(first.len(), 24, "greedy run stopped early: {}", m.detokenize(&first));
+    assert_eq!(
+        first.len(),
+        24,
+        "greedy run stopped early: {}",
+        m.detokenize(&first)
+    );
     let mut b = Session::new(m, small_config()).unwrap();
-    assert_eq!(greedy(&mut b, prompt, 24), first, "a second session differs");
+    assert_eq!(
+        greedy(&mut b, prompt, 24),
+        first,
+        "a second session differs"
+    );
     // Reusing a session after reset gives the same tokens again, also after other work.
     a.reset();
     let _ = greedy(&mut a, "Something else entirely: a list of rivers", 8);
     a.reset();
     assert_eq!(a.n_past(), 0);
-    assert_eq!(greedy(&mut a, prompt, 24), first, "the session differs after reset");
+    assert_eq!(
+        greedy(&mut a, prompt, 24),
+        first,
+        "the session differs after reset"
+    );
 }
 
 #[test]
 fn logits_are_available_after_evaluate_and_identical_across_sessions() {
     let m = common::model();
-    let tokens = m.tokenize(&h2o_llama::demo::prompt(12), true, true).unwrap();
+    let tokens = m
+        .tokenize(&h2o_llama::demo::prompt(12), true, true)
+        .unwrap();
     assert!(tokens.len() > 300);
     let run = |cfg: &SessionConfig, split: &[usize]| {
         let mut s = Session::new(m, cfg.clone()).unwrap();
@@ -90,24 +119,42 @@ fn logits_are_available_after_evaluate_and_identical_across_sessions() {
     assert!(whole.iter().all(|x| x.is_finite()));
     assert_eq!(run(&cfg, &[]), whole, "a second session differs");
     // Split on a ubatch boundary: the same ubatches run, bit for bit.
-    assert_eq!(run(&cfg, &[256]), whole, "split at the ubatch boundary differs");
+    assert_eq!(
+        run(&cfg, &[256]),
+        whole,
+        "split at the ubatch boundary differs"
+    );
     // Without flash attention, any split is bit-identical. (llama.cpp's CPU flash attention
     // takes different F16 accumulation paths for different ubatch shapes, so there a
     // misaligned split moves logits by up to ~0.5: measured, not asserted.)
-    let no_fa = SessionConfig { flash_attn: h2o_llama::FlashAttention::Off, ..small_config() };
+    let no_fa = SessionConfig {
+        flash_attn: h2o_llama::FlashAttention::Off,
+        ..small_config()
+    };
     let whole_no_fa = run(&no_fa, &[]);
-    assert_eq!(run(&no_fa, &[100, 300]), whole_no_fa, "misaligned split differs without flash attention");
+    assert_eq!(
+        run(&no_fa, &[100, 300]),
+        whole_no_fa,
+        "misaligned split differs without flash attention"
+    );
 }
 
 #[test]
 fn seeded_sampling_is_reproducible() {
     let m = common::model();
-    let cfg = SamplerConfig { temperature: 0.9, top_k: 40, top_p: 0.95, seed: 7 };
+    let cfg = SamplerConfig {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 7,
+    };
     let tokens = m.tokenize("Once upon a time", true, true).unwrap();
     let run = || {
         let mut s = Session::new(m, small_config()).unwrap();
         let mut sampler = Sampler::new(&cfg).unwrap();
-        s.generate(&tokens, &mut sampler, 16, |_| true).unwrap().tokens
+        s.generate(&tokens, &mut sampler, 16, |_| true)
+            .unwrap()
+            .tokens
     };
     assert_eq!(run(), run());
 }
@@ -116,12 +163,43 @@ fn seeded_sampling_is_reproducible() {
 fn bad_session_parameters_are_clear_errors() {
     let m = common::model();
     let cases: Vec<(SessionConfig, &str)> = vec![
-        (SessionConfig { n_batch: 0, ..small_config() }, "-b"),
-        (SessionConfig { n_ubatch: 0, ..small_config() }, "-ub"),
-        (SessionConfig { n_batch: 256, n_ubatch: 512, ..small_config() }, "-ub <= -b"),
-        (SessionConfig { n_threads: 0, ..small_config() }, "-t"),
         (
-            SessionConfig { h2o: Some(H2oConfig { local: 128, heavy: 128 }), ..small_config() },
+            SessionConfig {
+                n_batch: 0,
+                ..small_config()
+            },
+            "-b",
+        ),
+        (
+            SessionConfig {
+                n_ubatch: 0,
+                ..small_config()
+            },
+            "-ub",
+        ),
+        (
+            SessionConfig {
+                n_batch: 256,
+                n_ubatch: 512,
+                ..small_config()
+            },
+            "-ub <= -b",
+        ),
+        (
+            SessionConfig {
+                n_threads: 0,
+                ..small_config()
+            },
+            "-t",
+        ),
+        (
+            SessionConfig {
+                h2o: Some(H2oConfig {
+                    local: 128,
+                    heavy: 128,
+                }),
+                ..small_config()
+            },
             "must be smaller than the chunk size",
         ),
     ];
@@ -131,18 +209,38 @@ fn bad_session_parameters_are_clear_errors() {
         assert!(err.to_string().contains(needle), "{cfg:?}: {err}");
     }
     // L = H = 0 is H2O off: accepted.
-    Session::new(m, SessionConfig { h2o: Some(H2oConfig::default()), ..small_config() }).unwrap();
+    Session::new(
+        m,
+        SessionConfig {
+            h2o: Some(H2oConfig::default()),
+            ..small_config()
+        },
+    )
+    .unwrap();
 }
 
 #[test]
 fn empty_and_too_long_prompts_are_clear_errors() {
     let m = common::model();
-    let mut s = Session::new(m, SessionConfig { n_ctx: 256, n_batch: 256, n_ubatch: 256, ..small_config() }).unwrap();
+    let mut s = Session::new(
+        m,
+        SessionConfig {
+            n_ctx: 256,
+            n_batch: 256,
+            n_ubatch: 256,
+            ..small_config()
+        },
+    )
+    .unwrap();
     assert!(matches!(s.evaluate(&[]), Err(Error::EmptyPrompt)));
-    let long = m.tokenize(&h2o_llama::demo::prompt(40), true, true).unwrap();
+    let long = m
+        .tokenize(&h2o_llama::demo::prompt(40), true, true)
+        .unwrap();
     assert!(long.len() > 256);
     match s.evaluate(&long) {
-        Err(Error::PromptTooLong { n_tokens, n_ctx, .. }) => {
+        Err(Error::PromptTooLong {
+            n_tokens, n_ctx, ..
+        }) => {
             assert_eq!(n_tokens, long.len());
             assert_eq!(n_ctx, 256);
         }
@@ -160,12 +258,18 @@ fn bad_model_files_are_clear_errors_not_crashes() {
     let p = ModelParams::default();
 
     let missing = dir.join("missing.gguf");
-    assert!(matches!(Model::load(&missing, &p), Err(Error::ModelNotFound { .. })));
+    assert!(matches!(
+        Model::load(&missing, &p),
+        Err(Error::ModelNotFound { .. })
+    ));
 
     let empty = dir.join("empty.gguf");
     std::fs::write(&empty, b"").unwrap();
     let e = Model::load(&empty, &p).unwrap_err();
-    assert!(matches!(e, Error::NotGguf { .. }) && e.to_string().contains("empty"), "{e}");
+    assert!(
+        matches!(e, Error::NotGguf { .. }) && e.to_string().contains("empty"),
+        "{e}"
+    );
 
     let text = dir.join("notes.txt");
     std::fs::write(&text, "this is not a model\n").unwrap();

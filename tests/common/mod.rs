@@ -10,7 +10,8 @@ use h2o_llama::{Model, ModelParams};
 pub fn model_path() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
-        h2o_llama::default_model::ensure(|m| eprintln!("{m}")).expect("the default model is needed by the tests")
+        h2o_llama::default_model::ensure(|m| eprintln!("{m}"))
+            .expect("the default model is needed by the tests")
     })
     .clone()
 }
@@ -18,7 +19,9 @@ pub fn model_path() -> PathBuf {
 /// The default model, loaded once per test binary.
 pub fn model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
-    MODEL.get_or_init(|| Model::load(model_path(), &ModelParams::default()).expect("default model loads"))
+    MODEL.get_or_init(|| {
+        Model::load(model_path(), &ModelParams::default()).expect("default model loads")
+    })
 }
 
 /// A scratch directory unique to this test process and name.
