@@ -42,7 +42,14 @@ fn main() {
     let stock = env::var_os("CARGO_FEATURE_STOCK").is_some();
     let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
 
-    for p in ["build.rs", "vendor/pin/Cargo.toml", "vendor/pin/Cargo.lock", "patches/series", "src/sys"] {
+    for p in [
+        "build.rs",
+        "vendor/pin/Cargo.toml",
+        "vendor/pin/Cargo.lock",
+        "patches",
+        "src/sys",
+        "tests/cpp",
+    ] {
         println!("cargo:rerun-if-changed={}", manifest_dir.join(p).display());
     }
     for v in [
@@ -62,7 +69,9 @@ fn main() {
     let tree = out_dir.join("llama.cpp");
     prepare_tree(&pristine, &tree);
     if stock {
-        println!("cargo:warning=h2o-llama: `stock` feature: building pristine llama.cpp without patches");
+        println!(
+            "cargo:warning=h2o-llama: `stock` feature: building pristine llama.cpp without patches"
+        );
     } else {
         apply_patches(&manifest_dir, &tree);
     }
@@ -76,11 +85,20 @@ fn main() {
     }
 
     provide_bindings(&manifest_dir, &tree, &out_dir, stock);
-    println!("cargo:rustc-env=H2O_LLAMA_UPSTREAM_VERSION={}", pinned_package(&manifest_dir).0);
+    println!(
+        "cargo:rustc-env=H2O_LLAMA_UPSTREAM_VERSION={}",
+        pinned_package(&manifest_dir).0
+    );
     // For the tests that check the series against the pristine tree and the built tree.
-    println!("cargo:rustc-env=H2O_LLAMA_PRISTINE_DIR={}", pristine.display());
+    println!(
+        "cargo:rustc-env=H2O_LLAMA_PRISTINE_DIR={}",
+        pristine.display()
+    );
     println!("cargo:rustc-env=H2O_LLAMA_TREE_DIR={}", tree.display());
-    println!("cargo:rustc-env=H2O_LLAMA_OBJ_CACHE_DIR={}", object_cache_dir(&out_dir).display());
+    println!(
+        "cargo:rustc-env=H2O_LLAMA_OBJ_CACHE_DIR={}",
+        object_cache_dir(&out_dir).display()
+    );
 }
 
 fn fail(msg: impl AsRef<str>) -> ! {
@@ -106,12 +124,16 @@ fn pinned_package(manifest_dir: &Path) -> (String, String) {
             })
         };
         if field("name").as_deref() == Some(UPSTREAM_CRATE) {
-            let version = field("version").unwrap_or_else(|| fail("pinned upstream has no version"));
-            let checksum = field("checksum").unwrap_or_else(|| fail("pinned upstream has no checksum"));
+            let version =
+                field("version").unwrap_or_else(|| fail("pinned upstream has no version"));
+            let checksum =
+                field("checksum").unwrap_or_else(|| fail("pinned upstream has no checksum"));
             return (version, checksum);
         }
     }
-    fail(format!("vendor/pin/Cargo.lock does not pin {UPSTREAM_CRATE}"))
+    fail(format!(
+        "vendor/pin/Cargo.lock does not pin {UPSTREAM_CRATE}"
+    ))
 }
 
 /// Returns the pristine `llama.cpp/` directory of the pinned crate.
@@ -124,7 +146,10 @@ fn obtain_pristine(manifest_dir: &Path, out_dir: &Path) -> PathBuf {
                 dir.display()
             ));
         }
-        println!("cargo:warning=h2o-llama: using H2O_LLAMA_UPSTREAM_DIR={} (checksum not verified)", dir.display());
+        println!(
+            "cargo:warning=h2o-llama: using H2O_LLAMA_UPSTREAM_DIR={} (checksum not verified)",
+            dir.display()
+        );
         return dir;
     }
 
@@ -132,7 +157,8 @@ fn obtain_pristine(manifest_dir: &Path, out_dir: &Path) -> PathBuf {
     let vendor_dir = out_dir.join("upstream");
     let crate_dir = vendor_dir.join(format!("{UPSTREAM_CRATE}-{version}"));
     let verified = |dir: &Path| -> Result<(), String> {
-        let json = fs::read_to_string(dir.join(".cargo-checksum.json")).map_err(|e| e.to_string())?;
+        let json =
+            fs::read_to_string(dir.join(".cargo-checksum.json")).map_err(|e| e.to_string())?;
         let found = json
             .split("\"package\":\"")
             .nth(1)
@@ -149,7 +175,13 @@ fn obtain_pristine(manifest_dir: &Path, out_dir: &Path) -> PathBuf {
         let _ = fs::remove_dir_all(&vendor_dir);
         // `--locked` makes cargo verify the downloaded crate against Cargo.lock's checksum.
         let output = Command::new(&cargo)
-            .args(["vendor", "--locked", "--versioned-dirs", "--quiet", "--manifest-path"])
+            .args([
+                "vendor",
+                "--locked",
+                "--versioned-dirs",
+                "--quiet",
+                "--manifest-path",
+            ])
             .arg(manifest_dir.join("vendor/pin/Cargo.toml"))
             .arg(&vendor_dir)
             .env_remove("CARGO_TARGET_DIR")
@@ -163,12 +195,17 @@ fn obtain_pristine(manifest_dir: &Path, out_dir: &Path) -> PathBuf {
             ));
         }
         if let Err(e) = verified(&crate_dir) {
-            fail(format!("vendored {UPSTREAM_CRATE} {version} does not match the pin: {e}"));
+            fail(format!(
+                "vendored {UPSTREAM_CRATE} {version} does not match the pin: {e}"
+            ));
         }
     }
     let dir = crate_dir.join("llama.cpp");
     if !dir.join("include/llama.h").is_file() {
-        fail(format!("{} has no llama.cpp/include/llama.h", crate_dir.display()));
+        fail(format!(
+            "{} has no llama.cpp/include/llama.h",
+            crate_dir.display()
+        ));
     }
     dir
 }
@@ -179,21 +216,25 @@ fn obtain_pristine(manifest_dir: &Path, out_dir: &Path) -> PathBuf {
 
 fn copy_dir(from: &Path, to: &Path) {
     fs::create_dir_all(to).unwrap_or_else(|e| fail(format!("mkdir {}: {e}", to.display())));
-    for entry in fs::read_dir(from).unwrap_or_else(|e| fail(format!("read {}: {e}", from.display()))) {
+    for entry in
+        fs::read_dir(from).unwrap_or_else(|e| fail(format!("read {}: {e}", from.display())))
+    {
         let entry = entry.unwrap();
         let ty = entry.file_type().unwrap();
         let dst = to.join(entry.file_name());
         if ty.is_dir() {
             copy_dir(&entry.path(), &dst);
         } else if ty.is_file() {
-            fs::copy(entry.path(), &dst).unwrap_or_else(|e| fail(format!("copy {}: {e}", dst.display())));
+            fs::copy(entry.path(), &dst)
+                .unwrap_or_else(|e| fail(format!("copy {}: {e}", dst.display())));
         }
     }
 }
 
 fn prepare_tree(pristine: &Path, tree: &Path) {
     if tree.exists() {
-        fs::remove_dir_all(tree).unwrap_or_else(|e| fail(format!("cannot clear {}: {e}", tree.display())));
+        fs::remove_dir_all(tree)
+            .unwrap_or_else(|e| fail(format!("cannot clear {}: {e}", tree.display())));
     }
     copy_dir(pristine, tree);
 }
@@ -240,7 +281,11 @@ fn cmake_var(file: &Path, name: &str) -> String {
     let text = fs::read_to_string(file).unwrap_or_default();
     let key = format!("set({name} ");
     text.lines()
-        .find_map(|l| l.trim().strip_prefix(&key).map(|r| r.trim_end_matches(')').trim().to_string()))
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix(&key)
+                .map(|r| r.trim_end_matches(')').trim().to_string())
+        })
         .unwrap_or_else(|| "0".into())
 }
 
@@ -315,8 +360,16 @@ fn digest_headers(root: &Path, dirs: &[PathBuf], recursive: bool, hasher: &mut S
                 if recursive {
                     digest_headers(root, &[p], true, hasher);
                 }
-            } else if p.extension().is_some_and(|x| x == "h" || x == "hpp" || x == "inc") {
-                hasher.update(p.strip_prefix(root).unwrap_or(&p).to_string_lossy().as_bytes());
+            } else if p
+                .extension()
+                .is_some_and(|x| x == "h" || x == "hpp" || x == "inc")
+            {
+                hasher.update(
+                    p.strip_prefix(root)
+                        .unwrap_or(&p)
+                        .to_string_lossy()
+                        .as_bytes(),
+                );
                 hasher.update(fs::read(&p).unwrap());
             }
         }
@@ -330,7 +383,9 @@ fn object_cache_dir(out_dir: &Path) -> PathBuf {
         return PathBuf::from(dir);
     }
     // OUT_DIR = <target>/[<triple>/]<profile>/build/<pkg>-<hash>/out
-    let build = out_dir.ancestors().find(|a| a.file_name().is_some_and(|n| n == "build"));
+    let build = out_dir
+        .ancestors()
+        .find(|a| a.file_name().is_some_and(|n| n == "build"));
     match build.and_then(|b| b.parent()).and_then(|p| p.parent()) {
         Some(target) => target.join("h2o-llama-objcache"),
         None => out_dir.join("objcache"),
@@ -355,7 +410,12 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
     let mut units: Vec<Unit> = Vec::new();
     let mut add = |path: PathBuf, headers: &'static str| {
         let cpp = path.extension().is_some_and(|x| x == "cpp");
-        units.push(Unit { source: path, members: vec![], cpp, headers });
+        units.push(Unit {
+            source: path,
+            members: vec![],
+            cpp,
+            headers,
+        });
     };
     for f in [
         "ggml.c",
@@ -417,14 +477,28 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
             writeln!(text, "#include \"{}\"", m.display()).unwrap();
         }
         write_if_changed(&path, &text);
-        units.push(Unit { source: path, members: batch.to_vec(), cpp: true, headers: "llama" });
+        units.push(Unit {
+            source: path,
+            members: batch.to_vec(),
+            cpp: true,
+            headers: "llama",
+        });
     }
 
     // ---- flags
-    let native = env::var("H2O_LLAMA_NATIVE").map(|v| v != "0").unwrap_or(true);
+    let native = env::var("H2O_LLAMA_NATIVE")
+        .map(|v| v != "0")
+        .unwrap_or(true);
     let debug_asserts = env::var("H2O_LLAMA_DEBUG_ASSERTS").is_ok_and(|v| v != "0");
-    let sanitize = env::var("H2O_LLAMA_SANITIZE").ok().filter(|s| !s.is_empty());
-    let mut common: Vec<String> = vec!["-O3".into(), "-fPIC".into(), "-fopenmp".into(), "-pthread".into()];
+    let sanitize = env::var("H2O_LLAMA_SANITIZE")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let mut common: Vec<String> = vec![
+        "-O3".into(),
+        "-fPIC".into(),
+        "-fopenmp".into(),
+        "-pthread".into(),
+    ];
     if matches!(target_arch.as_str(), "x86_64" | "x86") {
         if native {
             common.push("-march=native".into());
@@ -454,22 +528,49 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
     if !debug_asserts {
         common.push("-DNDEBUG".into());
     }
-    for inc in [tree.join("ggml/include"), ggml_src.clone(), cpu_src.clone(), tree.join("include"), llama_src.clone(), gen_dir.to_path_buf()] {
+    for inc in [
+        tree.join("ggml/include"),
+        ggml_src.clone(),
+        cpu_src.clone(),
+        tree.join("include"),
+        llama_src.clone(),
+        gen_dir.to_path_buf(),
+    ] {
         common.push(format!("-I{}", inc.display()));
     }
 
     let c_compiler = cc::Build::new().get_compiler().path().to_path_buf();
-    let cxx_compiler = cc::Build::new().cpp(true).get_compiler().path().to_path_buf();
-    let c_flags: Vec<String> = ["-std=gnu11".to_string()].into_iter().chain(common.iter().cloned()).collect();
-    let cxx_flags: Vec<String> = ["-std=gnu++17".to_string()].into_iter().chain(common.iter().cloned()).collect();
+    let cxx_compiler = cc::Build::new()
+        .cpp(true)
+        .get_compiler()
+        .path()
+        .to_path_buf();
+    let c_flags: Vec<String> = ["-std=gnu11".to_string()]
+        .into_iter()
+        .chain(common.iter().cloned())
+        .collect();
+    let cxx_flags: Vec<String> = ["-std=gnu++17".to_string()]
+        .into_iter()
+        .chain(common.iter().cloned())
+        .collect();
 
     let mut header_digests: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
     let mut h = Sha256::new();
-    digest_headers(tree, &[tree.join("ggml/include"), ggml_src.clone()], false, &mut h);
+    digest_headers(
+        tree,
+        &[tree.join("ggml/include"), ggml_src.clone()],
+        false,
+        &mut h,
+    );
     digest_headers(tree, std::slice::from_ref(&cpu_src), true, &mut h);
     digest_headers(gen_dir, &[gen_dir.to_path_buf()], false, &mut h);
     let ggml_digest = h.clone().finalize().to_vec();
-    digest_headers(tree, &[tree.join("include"), llama_src.clone()], true, &mut h);
+    digest_headers(
+        tree,
+        &[tree.join("include"), llama_src.clone()],
+        true,
+        &mut h,
+    );
     header_digests.insert("ggml", ggml_digest);
     header_digests.insert("llama", h.finalize().to_vec());
 
@@ -479,7 +580,11 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
     let cxx_id = compiler_identity(&cxx_compiler);
 
     // ---- compile in parallel (cargo's NUM_JOBS), reusing cached objects
-    let jobs: usize = env::var("NUM_JOBS").ok().and_then(|s| s.parse().ok()).unwrap_or(2).max(1);
+    let jobs: usize = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2)
+        .max(1);
     let next = AtomicUsize::new(0);
     let objects: Mutex<Vec<(usize, PathBuf)>> = Mutex::new(Vec::new());
     let errors: Mutex<Vec<String>> = Mutex::new(Vec::new());
@@ -497,49 +602,34 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
                 } else {
                     (&c_compiler, &c_flags, &c_id)
                 };
-                let mut key = Sha256::new();
-                key.update(id.as_bytes());
-                key.update(compiler.to_string_lossy().as_bytes());
-                for f in flags.iter() {
-                    // Include paths differ between OUT_DIRs but not in meaning; the header digest
-                    // covers what they point to.
-                    if !f.starts_with("-I") {
-                        key.update(f.as_bytes());
-                    }
-                }
-                key.update(&header_digests[u.headers]);
                 let rel = u.source.strip_prefix(tree).unwrap_or(&u.source);
-                let rel = if rel.starts_with(out_dir) { Path::new(rel.file_name().unwrap()) } else { rel };
-                key.update(rel.to_string_lossy().as_bytes());
-                for f in std::iter::once(&u.source).chain(u.members.iter()) {
-                    if !u.members.is_empty() && f == &u.source {
-                        continue; // a unity file's text holds absolute paths; its members are hashed instead
-                    }
-                    key.update(f.strip_prefix(tree).unwrap_or(f).to_string_lossy().as_bytes());
-                    key.update(fs::read(f).unwrap_or_default());
-                }
-                let stem = u.source.file_stem().unwrap().to_string_lossy().into_owned();
-                let hex: String = key.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
-                let obj = cache.join(format!("{stem}-{hex}.o"));
-                if !obj.is_file() {
-                    let tmp = cache.join(format!("{stem}-{hex}.o.tmp{}", std::process::id()));
-                    let out = Command::new(compiler).args(flags.iter()).arg("-c").arg(&u.source).arg("-o").arg(&tmp).output();
-                    match out {
-                        Ok(o) if o.status.success() => {
-                            fs::rename(&tmp, &obj).unwrap();
+                let rel = if rel.starts_with(out_dir) {
+                    Path::new(rel.file_name().unwrap())
+                } else {
+                    rel
+                };
+                let job = CompileJob {
+                    compiler,
+                    compiler_id: id,
+                    flags,
+                    header_digest: &header_digests[u.headers],
+                    key_name: &rel.to_string_lossy(),
+                    source: &u.source,
+                    members: &u.members,
+                    tree,
+                };
+                let obj = match compile_cached(&job, &cache) {
+                    Ok((obj, fresh)) => {
+                        if fresh {
                             compiled.fetch_add(1, Ordering::SeqCst);
                         }
-                        Ok(o) => {
-                            let _ = fs::remove_file(&tmp);
-                            errors.lock().unwrap().push(format!(
-                                "compiling {} failed:\n{}",
-                                u.source.display(),
-                                String::from_utf8_lossy(&o.stderr)
-                            ));
-                        }
-                        Err(e) => errors.lock().unwrap().push(format!("cannot run {}: {e}", compiler.display())),
+                        obj
                     }
-                }
+                    Err(e) => {
+                        errors.lock().unwrap().push(e);
+                        continue;
+                    }
+                };
                 objects.lock().unwrap().push((i, obj));
             });
         }
@@ -565,12 +655,162 @@ fn build_cpu(tree: &Path, gen_dir: &Path, out_dir: &Path) {
         fail(format!("{ar} failed to create {}", lib.display()));
     }
     let mut log = fs::File::create(out_dir.join("engine-build.txt")).unwrap();
-    writeln!(log, "units {} compiled {} cache {}", units.len(), compiled.load(Ordering::SeqCst), cache.display()).unwrap();
-    writeln!(log, "c++ {} {}", cxx_compiler.display(), cxx_flags.join(" ")).unwrap();
+    writeln!(
+        log,
+        "units {} compiled {} cache {}",
+        units.len(),
+        compiled.load(Ordering::SeqCst),
+        cache.display()
+    )
+    .unwrap();
+    writeln!(
+        log,
+        "c++ {} {}",
+        cxx_compiler.display(),
+        cxx_flags.join(" ")
+    )
+    .unwrap();
+
+    // ---- C++ test programs (tests/cpp/*.cpp): they use the patched tree's internal headers, so
+    // they are built here, with the engine's flags, and run by the Rust tests and benches
+    let test_sources = env::var("CARGO_MANIFEST_DIR")
+        .map(|d| Path::new(&d).join("tests/cpp"))
+        .ok()
+        .filter(|d| d.is_dir());
+    if let (None, Some(test_sources)) = (env::var_os("CARGO_FEATURE_STOCK"), test_sources) {
+        let test_dir = out_dir.join("cpp-tests");
+        fs::create_dir_all(&test_dir).unwrap();
+        for src in sorted_files(&test_sources, "cpp") {
+            let name = format!("tests/cpp/{}", src.file_name().unwrap().to_string_lossy());
+            let job = CompileJob {
+                compiler: &cxx_compiler,
+                compiler_id: &cxx_id,
+                flags: &cxx_flags,
+                header_digest: &header_digests["llama"],
+                key_name: &name,
+                source: &src,
+                members: &[],
+                tree,
+            };
+            let (obj, _) = compile_cached(&job, &cache).unwrap_or_else(|e| fail(e));
+            let exe = test_dir.join(src.file_stem().unwrap());
+            let mut link = Command::new(&cxx_compiler);
+            link.arg(&obj)
+                .arg(&lib)
+                .arg("-o")
+                .arg(&exe)
+                .args(["-fopenmp", "-pthread", "-lm"]);
+            if let Some(s) = &sanitize {
+                link.arg(format!("-fsanitize={s}"));
+            }
+            let out = link
+                .output()
+                .unwrap_or_else(|e| fail(format!("cannot run {}: {e}", cxx_compiler.display())));
+            if !out.status.success() {
+                fail(format!(
+                    "linking {} failed:\n{}",
+                    exe.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+        }
+        println!(
+            "cargo:rustc-env=H2O_LLAMA_CPP_TESTS_DIR={}",
+            test_dir.display()
+        );
+    }
 
     println!("cargo:rustc-link-search=native={}", out_dir.display());
     println!("cargo:rustc-link-lib=static=h2o_llama_engine");
     link_runtime(sanitize.as_deref());
+}
+
+/// One translation unit for `compile_cached`.
+struct CompileJob<'a> {
+    compiler: &'a Path,
+    compiler_id: &'a str,
+    flags: &'a [String],
+    /// Digest of the headers the unit can include.
+    header_digest: &'a [u8],
+    /// Stable name of the source (relative to its tree), part of the cache key.
+    key_name: &'a str,
+    source: &'a Path,
+    /// Files whose content the object depends on instead of `source`'s (a unity file's members).
+    members: &'a [PathBuf],
+    tree: &'a Path,
+}
+
+/// Compiles a unit into the content-addressed object cache unless an object with the same key
+/// (compiler, flags without include paths, headers, source content) is there already.
+/// Returns the object and whether it was compiled now.
+fn compile_cached(job: &CompileJob, cache: &Path) -> Result<(PathBuf, bool), String> {
+    let mut key = Sha256::new();
+    key.update(job.compiler_id.as_bytes());
+    key.update(job.compiler.to_string_lossy().as_bytes());
+    for f in job.flags {
+        // Include paths differ between OUT_DIRs but not in meaning; the header digest covers
+        // what they point to.
+        if !f.starts_with("-I") {
+            key.update(f.as_bytes());
+        }
+    }
+    key.update(job.header_digest);
+    key.update(job.key_name.as_bytes());
+    if job.members.is_empty() {
+        key.update(
+            job.source
+                .strip_prefix(job.tree)
+                .unwrap_or(job.source)
+                .to_string_lossy()
+                .as_bytes(),
+        );
+        key.update(fs::read(job.source).unwrap_or_default());
+    }
+    for f in job.members {
+        // a unity file's text holds absolute paths; its members are hashed instead
+        key.update(
+            f.strip_prefix(job.tree)
+                .unwrap_or(f)
+                .to_string_lossy()
+                .as_bytes(),
+        );
+        key.update(fs::read(f).unwrap_or_default());
+    }
+    let stem = job
+        .source
+        .file_stem()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let hex: String = key
+        .finalize()
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let obj = cache.join(format!("{stem}-{hex}.o"));
+    if obj.is_file() {
+        return Ok((obj, false));
+    }
+    let tmp = cache.join(format!("{stem}-{hex}.o.tmp{}", std::process::id()));
+    let out = Command::new(job.compiler)
+        .args(job.flags)
+        .arg("-c")
+        .arg(job.source)
+        .arg("-o")
+        .arg(&tmp)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", job.compiler.display()))?;
+    if !out.status.success() {
+        let _ = fs::remove_file(&tmp);
+        return Err(format!(
+            "compiling {} failed:\n{}",
+            job.source.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    fs::rename(&tmp, &obj).map_err(|e| format!("rename {}: {e}", tmp.display()))?;
+    Ok((obj, true))
 }
 
 fn link_runtime(sanitize: Option<&str>) {
@@ -596,7 +836,11 @@ fn build_with_cmake(tree: &Path, out_dir: &Path) {
     let build = out_dir.join("cmake-build");
     fs::create_dir_all(&build).unwrap();
     let run = |cmd: &mut Command, what: &str| {
-        let status = cmd.status().unwrap_or_else(|e| fail(format!("cannot run cmake for {what}: {e} (the `cuda` feature needs cmake and nvcc)")));
+        let status = cmd.status().unwrap_or_else(|e| {
+            fail(format!(
+                "cannot run cmake for {what}: {e} (the `cuda` feature needs cmake and nvcc)"
+            ))
+        });
         if !status.success() {
             fail(format!("cmake {what} failed"));
         }
@@ -626,9 +870,18 @@ fn build_with_cmake(tree: &Path, out_dir: &Path) {
             ]),
         "configure",
     );
-    run(Command::new("cmake").arg("--build").arg(&build).args(["--config", "Release", "-j", &jobs]), "build");
+    run(
+        Command::new("cmake")
+            .arg("--build")
+            .arg(&build)
+            .args(["--config", "Release", "-j", &jobs]),
+        "build",
+    );
     for dir in ["src", "ggml/src", "ggml/src/ggml-cuda"] {
-        println!("cargo:rustc-link-search=native={}", build.join(dir).display());
+        println!(
+            "cargo:rustc-link-search=native={}",
+            build.join(dir).display()
+        );
     }
     for lib in ["llama", "ggml", "ggml-cpu", "ggml-cuda", "ggml-base"] {
         println!("cargo:rustc-link-lib=static={lib}");
@@ -711,7 +964,11 @@ fn generate_bindings(tree: &Path, digest: &str) -> String {
         "// @generated by bindgen from the {} llama.cpp headers; do not edit.\n\
          // Regenerate with scripts/update-bindings.sh.\n\
          // headers-sha256: {digest}\n\n{}",
-        if env::var_os("CARGO_FEATURE_STOCK").is_some() { "pristine" } else { "patched" },
+        if env::var_os("CARGO_FEATURE_STOCK").is_some() {
+            "pristine"
+        } else {
+            "patched"
+        },
         bindings
     )
 }

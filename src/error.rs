@@ -41,6 +41,26 @@ impl DecodeError {
     }
 }
 
+/// Why an H2O introspection call failed, one variant per negative `llama_h2o_status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum H2oError {
+    /// `LLAMA_H2O_STATUS_DISABLED`: the session was created without H2O.
+    #[error("the session has no H2O state: create it with an H2oConfig (--h2o-local/--h2o-heavy)")]
+    Disabled,
+    /// `LLAMA_H2O_STATUS_INVALID_LAYER`.
+    #[error("layer {layer} does not exist: the model has layers 0..{n_layer}")]
+    InvalidLayer { layer: u32, n_layer: u32 },
+    /// `LLAMA_H2O_STATUS_INVALID_HEAD`.
+    #[error("query head {head} does not exist: the model has heads 0..{n_head}")]
+    InvalidHead { head: u32, n_head: u32 },
+    /// `LLAMA_H2O_STATUS_INVALID_RANGE`.
+    #[error("positions {start}..{end} are outside the cache (0..{kv_size})")]
+    InvalidRange { start: u64, end: u64, kv_size: u32 },
+    /// Any other code.
+    #[error("llama_h2o call returned {0}")]
+    Other(i32),
+}
+
 /// Every error of the library.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -70,7 +90,11 @@ pub enum Error {
     EmptyPrompt,
 
     #[error("the prompt has {n_tokens} tokens but the context holds {n_ctx}: use a larger -c (the model was trained with {n_ctx_train}) or a shorter prompt")]
-    PromptTooLong { n_tokens: usize, n_ctx: u32, n_ctx_train: u32 },
+    PromptTooLong {
+        n_tokens: usize,
+        n_ctx: u32,
+        n_ctx_train: u32,
+    },
 
     #[error("the text contains a NUL byte at offset {0}, which llama.cpp cannot tokenize")]
     NulInText(usize),
@@ -83,6 +107,13 @@ pub enum Error {
 
     #[error("interrupted")]
     Interrupted,
+
+    #[error("H2O: {0}")]
+    H2o(#[from] H2oError),
+
+    #[error("H2O sparse prefill is not implemented in this build yet: the H2O state is allocated ({state_mib:.2} MiB), \
+             but the prompt would run with full attention; run without --h2o-local/--h2o-heavy for full attention")]
+    H2oPrefillUnavailable { state_mib: f64 },
 
     #[error("{0}")]
     DefaultModel(String),

@@ -29,17 +29,19 @@ pub mod sys;
 mod backend;
 pub mod default_model;
 pub mod demo;
-pub mod reference;
 mod error;
 mod model;
+pub mod reference;
 mod sampler;
 mod session;
 
 pub use backend::set_log_echo;
-pub use error::{DecodeError, Error, Result};
+pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{Sampler, SamplerConfig};
-pub use session::{FlashAttention, Generation, H2oConfig, Session, SessionConfig, Timings};
+pub use session::{
+    FlashAttention, Generation, H2oConfig, H2oState, Session, SessionConfig, Timings,
+};
 
 /// Version of the pinned upstream crate whose llama.cpp this library builds.
 pub const UPSTREAM_VERSION: &str = env!("H2O_LLAMA_UPSTREAM_VERSION");

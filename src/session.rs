@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::error::{DecodeError, Error, Result};
+use crate::error::{DecodeError, Error, H2oError, Result};
 use crate::model::{Model, Token};
 use crate::sampler::Sampler;
 use crate::{backend, sys};
@@ -67,7 +67,9 @@ impl Default for SessionConfig {
             n_ctx: 0,
             n_batch: 2048,
             n_ubatch: 512,
-            n_threads: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(4),
+            n_threads: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(4),
             flash_attn: FlashAttention::Auto,
             h2o: None,
         }
@@ -107,12 +109,42 @@ impl SessionConfig {
                     self.n_ubatch
                 ));
             }
-            return bad("H2O sparse prefill (--h2o-local/--h2o-heavy) is not implemented in this build yet; \
-                        run without those flags for stock attention"
-                .into());
+            if cfg!(feature = "stock") {
+                return bad("this build is the stock llama.cpp engine (feature `stock`), which has no H2O: \
+                            build without that feature, or run without --h2o-local/--h2o-heavy"
+                    .into());
+            }
         }
         Ok(())
     }
+}
+
+/// The H2O state a session holds (see [`Session::h2o_state`]): its shape, its size and how far
+/// the chunked prefill has got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct H2oState {
+    /// L.
+    pub local: u32,
+    /// H.
+    pub heavy: u32,
+    /// M = L + H, the slots of a memory set.
+    pub memory_size: u32,
+    /// S = `n_ubatch`, positions per chunk.
+    pub chunk_size: u32,
+    /// Layers with H2O state.
+    pub n_layer: u32,
+    /// Query heads per layer; memory sets and scores are per query head.
+    pub n_head: u32,
+    /// Cache cells, which are the positions the scores cover.
+    pub kv_size: u32,
+    /// Chunks completed since the last reset.
+    pub chunks_done: u32,
+    /// Prompt positions in those chunks.
+    pub tokens_done: u32,
+    /// Whether a memory set has been built since the last reset.
+    pub memory_initialized: bool,
+    /// Bytes of the score and memory-index tensors of all layers.
+    pub size_bytes: u64,
 }
 
 /// Where the time went, for the last [`Session::generate`] (or accumulated evaluations).
@@ -167,7 +199,10 @@ impl Batch {
     fn new(capacity: u32) -> Self {
         // SAFETY: allocates arrays for `capacity` tokens with one seq id each; freed in Drop.
         let raw = unsafe { sys::llama_batch_init(capacity as i32, 0, 1) };
-        Self { raw, capacity: capacity as usize }
+        Self {
+            raw,
+            capacity: capacity as usize,
+        }
     }
 
     /// Fills the batch with `tokens` at positions `pos0..`, sequence 0; logits only for the
@@ -228,7 +263,11 @@ impl Drop for Session<'_> {
 
 impl std::fmt::Debug for Session<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("config", &self.config).field("n_ctx", &self.n_ctx).field("n_past", &self.n_past).finish()
+        f.debug_struct("Session")
+            .field("config", &self.config)
+            .field("n_ctx", &self.n_ctx)
+            .field("n_past", &self.n_past)
+            .finish()
     }
 }
 
@@ -255,14 +294,31 @@ impl<'m> Session<'m> {
             FlashAttention::Off => sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
         };
         cp.no_perf = false;
+        #[cfg(not(feature = "stock"))]
+        if let Some(h2o) = config.h2o.filter(H2oConfig::is_enabled) {
+            // validate() bounded M = L + H by n_ubatch, so both fit in i32
+            cp.h2o_local = h2o.local as i32;
+            cp.h2o_heavy = h2o.heavy as i32;
+        }
         backend::clear_recent_log();
         // SAFETY: model outlives the context (lifetime 'm); ownership of the result is ours.
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
-        let ctx = NonNull::new(raw).ok_or_else(|| Error::ContextInit { reason: backend::recent_log_reason() })?;
+        let ctx = NonNull::new(raw).ok_or_else(|| Error::ContextInit {
+            reason: backend::recent_log_reason(),
+        })?;
         // SAFETY: valid context.
         let n_ctx = unsafe { sys::llama_n_ctx(ctx.as_ptr()) };
         let batch = Batch::new(config.n_batch);
-        Ok(Self { model, ctx, batch, config, n_ctx, n_past: 0, has_logits: false, interrupt: None })
+        Ok(Self {
+            model,
+            ctx,
+            batch,
+            config,
+            n_ctx,
+            n_past: 0,
+            has_logits: false,
+            interrupt: None,
+        })
     }
 
     /// The model this session runs.
@@ -287,6 +343,120 @@ impl<'m> Session<'m> {
     #[must_use]
     pub fn n_past(&self) -> u32 {
         self.n_past
+    }
+
+    /// The H2O state, or `None` when the session runs full attention.
+    #[must_use]
+    pub fn h2o_state(&self) -> Option<H2oState> {
+        #[cfg(feature = "stock")]
+        {
+            None
+        }
+        #[cfg(not(feature = "stock"))]
+        {
+            // SAFETY: plain-data out parameter, valid context.
+            let mut info: sys::llama_h2o_info = unsafe { std::mem::zeroed() };
+            let rc = unsafe { sys::llama_h2o_get_info(self.ctx.as_ptr(), &mut info) };
+            (rc == sys::LLAMA_H2O_STATUS_OK).then_some(H2oState {
+                local: info.n_local as u32,
+                heavy: info.n_heavy as u32,
+                memory_size: info.n_memory as u32,
+                chunk_size: info.n_chunk as u32,
+                n_layer: info.n_layer as u32,
+                n_head: info.n_head as u32,
+                kv_size: info.kv_size as u32,
+                chunks_done: info.n_chunks_done as u32,
+                tokens_done: info.n_tokens_done as u32,
+                memory_initialized: info.memory_initialized,
+                size_bytes: info.size_bytes as u64,
+            })
+        }
+    }
+
+    /// The memory set of `layer`, query `head`: the positions the next chunk attends to besides
+    /// its own, as the engine stores them (ascending, unused slots −1).
+    ///
+    /// # Errors
+    /// [`Error::H2o`]: no H2O state, or `layer`/`head` out of range.
+    pub fn h2o_memory_set(&self, layer: u32, head: u32) -> Result<crate::reference::MemorySet> {
+        let state = self.h2o_state().ok_or(H2oError::Disabled)?;
+        self.check_h2o_head(&state, layer, head)?;
+        #[allow(unused_mut)] // filled by the FFI call, which stock builds lack
+        let mut slots = vec![-1i32; state.memory_size as usize];
+        #[cfg(not(feature = "stock"))]
+        {
+            // SAFETY: `slots` has room for the M values written; layer/head were checked.
+            let rc = unsafe {
+                sys::llama_h2o_get_memory_indices(
+                    self.ctx.as_ptr(),
+                    layer as i32,
+                    head as i32,
+                    slots.as_mut_ptr(),
+                    slots.len(),
+                )
+            };
+            h2o_status(rc, &state, layer, head, 0..0)?;
+        }
+        Ok(crate::reference::MemorySet { slots })
+    }
+
+    /// Accumulated attention scores of `layer`, query `head`, for `positions` (F32 values of the
+    /// BF16 store).
+    ///
+    /// # Errors
+    /// [`Error::H2o`]: no H2O state, `layer`/`head` out of range, or positions outside the cache.
+    pub fn h2o_scores(
+        &self,
+        layer: u32,
+        head: u32,
+        positions: std::ops::Range<u32>,
+    ) -> Result<Vec<f32>> {
+        let state = self.h2o_state().ok_or(H2oError::Disabled)?;
+        self.check_h2o_head(&state, layer, head)?;
+        if positions.start > positions.end || positions.end > state.kv_size {
+            return Err(H2oError::InvalidRange {
+                start: positions.start.into(),
+                end: positions.end.into(),
+                kv_size: state.kv_size,
+            }
+            .into());
+        }
+        #[allow(unused_mut)] // filled by the FFI call, which stock builds lack
+        let mut scores = vec![0f32; positions.len()];
+        #[cfg(not(feature = "stock"))]
+        {
+            // SAFETY: `scores` has room for the n values written; arguments were checked.
+            let rc = unsafe {
+                sys::llama_h2o_get_scores(
+                    self.ctx.as_ptr(),
+                    layer as i32,
+                    head as i32,
+                    positions.start as i32,
+                    scores.len() as i32,
+                    scores.as_mut_ptr(),
+                )
+            };
+            h2o_status(rc, &state, layer, head, positions)?;
+        }
+        Ok(scores)
+    }
+
+    fn check_h2o_head(&self, state: &H2oState, layer: u32, head: u32) -> Result<()> {
+        if layer >= state.n_layer {
+            return Err(H2oError::InvalidLayer {
+                layer,
+                n_layer: state.n_layer,
+            }
+            .into());
+        }
+        if head >= state.n_head {
+            return Err(H2oError::InvalidHead {
+                head,
+                n_head: state.n_head,
+            }
+            .into());
+        }
+        Ok(())
     }
 
     /// Registers a flag that, once set (e.g. by a Ctrl-C handler), makes the running and every
@@ -327,17 +497,34 @@ impl<'m> Session<'m> {
     ///
     /// # Errors
     /// As [`Session::evaluate`].
-    pub fn evaluate_with_progress(&mut self, tokens: &[Token], mut progress: impl FnMut(usize, usize)) -> Result<()> {
+    pub fn evaluate_with_progress(
+        &mut self,
+        tokens: &[Token],
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
+        if let Some(state) = self.h2o_state() {
+            // The state is there, the sparse prefill that fills it is not: refuse rather than
+            // run full attention under an H2O label.
+            return Err(Error::H2oPrefillUnavailable {
+                state_mib: state.size_bytes as f64 / (1024.0 * 1024.0),
+            });
+        }
         let total = self.n_past as usize + tokens.len();
         if total > self.n_ctx as usize {
-            return Err(Error::PromptTooLong { n_tokens: total, n_ctx: self.n_ctx, n_ctx_train: self.model.n_ctx_train() });
+            return Err(Error::PromptTooLong {
+                n_tokens: total,
+                n_ctx: self.n_ctx,
+                n_ctx_train: self.model.n_ctx_train(),
+            });
         }
         let vocab = self.model.n_vocab() as i32;
         if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t >= vocab) {
-            return Err(Error::Tokenize(format!("token id {bad} is outside the vocabulary (0..{vocab})")));
+            return Err(Error::Tokenize(format!(
+                "token id {bad} is outside the vocabulary (0..{vocab})"
+            )));
         }
         self.has_logits = false;
         let mut done = 0;
@@ -364,7 +551,9 @@ impl<'m> Session<'m> {
     }
 
     fn interrupted(&self) -> bool {
-        self.interrupt.as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
+        self.interrupt
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Relaxed))
     }
 
     /// Next-token logits after the last evaluated token (`n_vocab` values), or `None` before
@@ -418,9 +607,16 @@ impl<'m> Session<'m> {
     ) -> Result<Generation> {
         let needed = self.n_past as usize + prompt.len() + n_predict;
         if needed > self.n_ctx as usize {
-            return Err(Error::PromptTooLong { n_tokens: needed, n_ctx: self.n_ctx, n_ctx_train: self.model.n_ctx_train() });
+            return Err(Error::PromptTooLong {
+                n_tokens: needed,
+                n_ctx: self.n_ctx,
+                n_ctx_train: self.model.n_ctx_train(),
+            });
         }
-        let mut timings = Timings { prompt_tokens: prompt.len(), ..Timings::default() };
+        let mut timings = Timings {
+            prompt_tokens: prompt.len(),
+            ..Timings::default()
+        };
         let start = Instant::now();
         self.evaluate_with_progress(prompt, progress)?;
         timings.prefill = start.elapsed();
@@ -444,7 +640,7 @@ impl<'m> Session<'m> {
             let valid = match std::str::from_utf8(&pending) {
                 Ok(s) => s.len(),
                 Err(e) if e.error_len().is_none() => e.valid_up_to(), // incomplete tail: wait
-                Err(_) => pending.len(),                               // invalid: flush lossily
+                Err(_) => pending.len(),                              // invalid: flush lossily
             };
             let piece = String::from_utf8_lossy(&pending[..valid]).into_owned();
             pending.drain(..valid);
@@ -462,6 +658,43 @@ impl<'m> Session<'m> {
         }
         timings.generated_tokens = tokens.len();
         timings.decode = decode_start.elapsed();
-        Ok(Generation { tokens, text, stopped_at_eog, timings })
+        Ok(Generation {
+            tokens,
+            text,
+            stopped_at_eog,
+            timings,
+        })
     }
+}
+
+/// Maps a `llama_h2o_*` return value (count or negative `llama_h2o_status`) to a typed error.
+#[cfg(not(feature = "stock"))]
+fn h2o_status(
+    rc: i32,
+    state: &H2oState,
+    layer: u32,
+    head: u32,
+    positions: std::ops::Range<u32>,
+) -> Result<()> {
+    if rc >= 0 {
+        return Ok(());
+    }
+    Err(match rc {
+        sys::LLAMA_H2O_STATUS_DISABLED => H2oError::Disabled,
+        sys::LLAMA_H2O_STATUS_INVALID_LAYER => H2oError::InvalidLayer {
+            layer,
+            n_layer: state.n_layer,
+        },
+        sys::LLAMA_H2O_STATUS_INVALID_HEAD => H2oError::InvalidHead {
+            head,
+            n_head: state.n_head,
+        },
+        sys::LLAMA_H2O_STATUS_INVALID_RANGE => H2oError::InvalidRange {
+            start: positions.start.into(),
+            end: positions.end.into(),
+            kv_size: state.kv_size,
+        },
+        other => H2oError::Other(other),
+    }
+    .into())
 }

@@ -25,14 +25,32 @@ fn generates_text_and_prints_a_summary() {
     let text = String::from_utf8(o.stdout.clone()).unwrap();
     assert!(!text.trim().is_empty());
     let err = stderr(&o);
-    for needle in ["prompt tokens", "chunks", "time to first token", "prefill", "decode"] {
+    for needle in [
+        "prompt tokens",
+        "chunks",
+        "time to first token",
+        "prefill",
+        "decode",
+    ] {
         assert!(err.contains(needle), "summary lacks {needle}: {err}");
     }
 }
 
 #[test]
 fn json_record_describes_the_run_and_greedy_is_repeatable() {
-    let args = ["-p", "List three fruits:", "-n", "12", "--temp", "0", "--json", "-b", "64", "-ub", "32"];
+    let args = [
+        "-p",
+        "List three fruits:",
+        "-n",
+        "12",
+        "--temp",
+        "0",
+        "--json",
+        "-b",
+        "64",
+        "-ub",
+        "32",
+    ];
     let o = cli(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -50,7 +68,9 @@ fn json_record_describes_the_run_and_greedy_is_repeatable() {
 
 #[test]
 fn demo_prompt_spans_several_chunks() {
-    let o = cli(&["-n", "2", "--temp", "0", "-b", "4096", "-ub", "1024", "--json"]);
+    let o = cli(&[
+        "-n", "2", "--temp", "0", "-b", "4096", "-ub", "1024", "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v["chunks"].as_u64().unwrap() >= 3, "{v}");
@@ -64,27 +84,58 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
     let not_gguf = dir.join("model.bin");
     std::fs::write(&not_gguf, b"PK\x03\x04 definitely not gguf").unwrap();
     let missing_prompt = dir.join("nope.txt");
-    let (latin1, not_gguf, missing_prompt) =
-        (latin1.to_str().unwrap(), not_gguf.to_str().unwrap(), missing_prompt.to_str().unwrap());
+    let (latin1, not_gguf, missing_prompt) = (
+        latin1.to_str().unwrap(),
+        not_gguf.to_str().unwrap(),
+        missing_prompt.to_str().unwrap(),
+    );
     let cases: &[(&[&str], i32, &str)] = &[
         (&["-p", "x", "-ub", "0"], 3, "-ub"),
         (&["-p", "x", "-b", "0"], 3, "-b"),
         (&["-p", "x", "-b", "256", "-ub", "512"], 3, "-ub <= -b"),
-        (&["-p", "x", "-ub", "512", "--h2o-local", "256", "--h2o-heavy", "256"], 3, "smaller than the chunk size"),
-        (&["-p", "x", "--h2o-local", "-5"], 3, "--h2o-local must be between 0"),
-        (&["-p", "x", "--h2o-heavy", "99999999999"], 3, "--h2o-heavy must be between 0"),
+        (
+            &[
+                "-p",
+                "x",
+                "-ub",
+                "512",
+                "--h2o-local",
+                "256",
+                "--h2o-heavy",
+                "256",
+            ],
+            3,
+            "smaller than the chunk size",
+        ),
+        (
+            &["-p", "x", "--h2o-local", "-5"],
+            3,
+            "--h2o-local must be between 0",
+        ),
+        (
+            &["-p", "x", "--h2o-heavy", "99999999999"],
+            3,
+            "--h2o-heavy must be between 0",
+        ),
         (&["-p", ""], 3, "prompt is empty"),
         (&["-f", missing_prompt], 3, "cannot read prompt file"),
         (&["-f", latin1], 3, "not UTF-8"),
         (&["-m", not_gguf, "-p", "x"], 4, "not a GGUF"),
-        (&["-m", "/nonexistent/model.gguf", "-p", "x"], 4, "not found"),
+        (
+            &["-m", "/nonexistent/model.gguf", "-p", "x"],
+            4,
+            "not found",
+        ),
         (&["-p", "x", "--no-such-flag"], 2, "--no-such-flag"),
     ];
     for (args, code, needle) in cases {
         let o = cli(args);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(*code), "{args:?}: {err}");
-        assert!(err.contains(needle), "{args:?}: expected {needle:?} in {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected {needle:?} in {err}"
+        );
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -92,8 +143,28 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
 
 #[test]
 fn h2o_flags_are_validated_but_sparse_prefill_is_not_pretended() {
-    let o = cli(&["-p", "x", "-b", "4096", "-ub", "1024", "--h2o-local", "256", "--h2o-heavy", "256"]);
+    let o = cli(&[
+        "-p",
+        "x",
+        "-b",
+        "4096",
+        "-ub",
+        "1024",
+        "--h2o-local",
+        "256",
+        "--h2o-heavy",
+        "256",
+    ]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(3), "{err}");
-    assert!(err.contains("not implemented"), "{err}");
+    // the state is validated and allocated (default model: 30 layers, 9 heads) ...
+    assert!(
+        err.contains("H2O state: L=256 H=256 (memory M=512) chunk S=1024 | 30 layers x 9 heads"),
+        "{err}"
+    );
+    // ... and the missing prefill is said plainly
+    assert!(
+        err.contains("sparse prefill is not implemented in this build yet"),
+        "{err}"
+    );
 }

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use h2o_llama::{
-    default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, Sampler, SamplerConfig, Session,
-    SessionConfig,
+    default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, Sampler,
+    SamplerConfig, Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
@@ -89,10 +89,20 @@ struct Cli {
     #[arg(long)]
     seed: Option<u32>,
     /// H2O: recent tokens L kept from the previous chunk (0 with --h2o-heavy 0 = off)
-    #[arg(long, value_name = "L", default_value_t = 0, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        value_name = "L",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
     h2o_local: i64,
     /// H2O: heavy-hitter tokens H kept by accumulated attention score
-    #[arg(long, value_name = "H", default_value_t = 0, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        value_name = "H",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
     h2o_heavy: i64,
     /// Print one JSON record on stdout instead of text + summary
     #[arg(long)]
@@ -183,7 +193,8 @@ fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
         return Ok((p.clone(), "-p"));
     }
     if let Some(f) = &cli.file {
-        let bytes = std::fs::read(f).with_context(|| format!("cannot read prompt file {}", f.display()))?;
+        let bytes =
+            std::fs::read(f).with_context(|| format!("cannot read prompt file {}", f.display()))?;
         let text = String::from_utf8(bytes).map_err(|e| {
             anyhow::anyhow!(
                 "prompt file {} is not UTF-8 text (invalid byte at offset {}); convert it first, e.g. iconv -t UTF-8",
@@ -202,9 +213,17 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     // Taken as signed so that a negative value gets a message naming the flag, not clap's
     // "unexpected argument '-5'".
     let count = |flag: &str, v: i64| {
-        u32::try_from(v).map_err(|_| Error::InvalidConfig(format!("{flag} must be between 0 and {}, got {v}", u32::MAX)))
+        u32::try_from(v).map_err(|_| {
+            Error::InvalidConfig(format!(
+                "{flag} must be between 0 and {}, got {v}",
+                u32::MAX
+            ))
+        })
     };
-    let h2o = H2oConfig { local: count("--h2o-local", cli.h2o_local)?, heavy: count("--h2o-heavy", cli.h2o_heavy)? };
+    let h2o = H2oConfig {
+        local: count("--h2o-local", cli.h2o_local)?,
+        heavy: count("--h2o-heavy", cli.h2o_heavy)?,
+    };
     let config = SessionConfig {
         n_ctx: cli.ctx_size,
         n_batch: cli.batch_size,
@@ -232,7 +251,12 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             }
         })?,
     };
-    let model = Model::load(&model_path, &ModelParams { n_gpu_layers: cli.n_gpu_layers })?;
+    let model = Model::load(
+        &model_path,
+        &ModelParams {
+            n_gpu_layers: cli.n_gpu_layers,
+        },
+    )?;
     let mut session = Session::new(&model, config.clone())?;
     session.set_interrupt_flag(interrupt);
     let prompt = model.tokenize(&prompt_text, true, true)?;
@@ -244,7 +268,9 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         top_k: cli.top_k,
         top_p: cli.top_p,
         seed: cli.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos())
         }),
     };
     let mut sampler = Sampler::new(&sampler_config)?;
@@ -258,10 +284,35 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             session.n_ctx(),
             config.n_batch,
             config.n_ubatch,
-            if h2o.is_enabled() { format!("H2O L={} H={}", h2o.local, h2o.heavy) } else { "full attention".into() }
+            if h2o.is_enabled() {
+                format!("H2O L={} H={}", h2o.local, h2o.heavy)
+            } else {
+                "full attention".into()
+            }
         );
+        if let Some(st) = session.h2o_state() {
+            eprintln!(
+                "h2o-cli: H2O state: L={} H={} (memory M={}) chunk S={} | {} layers x {} heads x {} positions | {:.2} MiB",
+                st.local,
+                st.heavy,
+                st.memory_size,
+                st.chunk_size,
+                st.n_layer,
+                st.n_head,
+                st.kv_size,
+                st.size_bytes as f64 / (1024.0 * 1024.0)
+            );
+        }
         if prompt_source == "demo" {
-            let tail: String = prompt_text.lines().rev().take(2).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+            let tail: String = prompt_text
+                .lines()
+                .rev()
+                .take(2)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n");
             eprintln!("h2o-cli: demo prompt ends with:\n{tail}");
         }
     }
@@ -273,13 +324,19 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             eprint!("\r\x1b[K"); // prefill over: leave the line to the generated text
         }
     };
-    let generation = session.generate_with_progress(&prompt, &mut sampler, cli.n_predict, progress, |piece| {
-        if !cli.json {
-            let _ = stdout.write_all(piece.as_bytes());
-            let _ = stdout.flush();
-        }
-        true
-    })?;
+    let generation = session.generate_with_progress(
+        &prompt,
+        &mut sampler,
+        cli.n_predict,
+        progress,
+        |piece| {
+            if !cli.json {
+                let _ = stdout.write_all(piece.as_bytes());
+                let _ = stdout.flush();
+            }
+            true
+        },
+    )?;
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
     if cli.json {

@@ -1,0 +1,29 @@
+//! The C++ tests of the H2O state in `llama_kv_cache` (seed 001's 11 metrics, the GQA gathers,
+//! reset, and the C API's validation and introspection), built by build.rs against the patched
+//! tree's internal headers and run here on the default model.
+// The stock engine has no H2O, and the CUDA (cmake) build does not make the C++ test programs.
+#![cfg(not(any(feature = "stock", feature = "cuda")))]
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn kv_cache_h2o_state_cpp_tests() {
+    let dir = env!("H2O_LLAMA_CPP_TESTS_DIR");
+    let exe = std::path::Path::new(dir).join("test-h2o-kv-cache");
+    let out = Command::new(&exe)
+        .arg(common::model_path())
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "C++ tests failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    // every test reported, none failed
+    assert!(stdout.contains("14 tests, 0 failed"), "{stdout}");
+}
