@@ -111,10 +111,6 @@ pub enum Error {
     #[error("H2O: {0}")]
     H2o(#[from] H2oError),
 
-    #[error("H2O sparse prefill is not implemented in this build yet: the H2O state is allocated ({state_mib:.2} MiB), \
-             but the prompt would run with full attention; run without --h2o-local/--h2o-heavy for full attention")]
-    H2oPrefillUnavailable { state_mib: f64 },
-
     #[error("{0}")]
     DefaultModel(String),
 }

@@ -505,13 +505,6 @@ impl<'m> Session<'m> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        if let Some(state) = self.h2o_state() {
-            // The state is there, the sparse prefill that fills it is not: refuse rather than
-            // run full attention under an H2O label.
-            return Err(Error::H2oPrefillUnavailable {
-                state_mib: state.size_bytes as f64 / (1024.0 * 1024.0),
-            });
-        }
         let total = self.n_past as usize + tokens.len();
         if total > self.n_ctx as usize {
             return Err(Error::PromptTooLong {

@@ -142,29 +142,32 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
 }
 
 #[test]
-fn h2o_flags_are_validated_but_sparse_prefill_is_not_pretended() {
+fn h2o_prefill_runs_end_to_end() {
+    // 600-token demo prompt in chunks of 256: chunks 1 and 2 attend to a memory of 64 + 64 tokens
     let o = cli(&[
         "-p",
-        "x",
+        &h2o_llama::demo::prompt(20),
+        "-n",
+        "4",
+        "--temp",
+        "0",
         "-b",
-        "4096",
-        "-ub",
         "1024",
+        "-ub",
+        "256",
         "--h2o-local",
-        "256",
+        "64",
         "--h2o-heavy",
-        "256",
+        "64",
+        "--json",
     ]);
     let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(3), "{err}");
-    // the state is validated and allocated (default model: 30 layers, 9 heads) ...
-    assert!(
-        err.contains("H2O state: L=256 H=256 (memory M=512) chunk S=1024 | 30 layers x 9 heads"),
-        "{err}"
-    );
-    // ... and the missing prefill is said plainly
-    assert!(
-        err.contains("sparse prefill is not implemented in this build yet"),
-        "{err}"
-    );
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let chunks = v["chunks"].as_u64().unwrap();
+    assert!(chunks >= 2, "{v}");
+    assert_eq!(v["sparse_chunks"].as_u64(), Some(chunks - 1), "{v}");
+    assert!(v["h2o_state_bytes"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["h2o"]["local"].as_u64(), Some(64));
+    assert_eq!(v["generated_tokens"].as_u64(), Some(4), "{v}");
 }

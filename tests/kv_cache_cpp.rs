@@ -25,5 +25,5 @@ fn kv_cache_h2o_state_cpp_tests() {
         out.status
     );
     // every test reported, none failed
-    assert!(stdout.contains("14 tests, 0 failed"), "{stdout}");
+    assert!(stdout.contains("15 tests, 0 failed"), "{stdout}");
 }

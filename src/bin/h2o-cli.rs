@@ -140,6 +140,10 @@ struct Record<'a> {
     prompt_tokens: usize,
     generated_tokens: usize,
     chunks: usize,
+    /// chunks that attended to a memory set (all but chunk 0 with H2O; 0 with full attention)
+    sparse_chunks: usize,
+    /// bytes of the H2O state (scores, memory sets, chunk sums), 0 with full attention
+    h2o_state_bytes: u64,
     n_batch: u32,
     n_ubatch: u32,
     n_ctx: u32,
@@ -339,12 +343,21 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     )?;
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
+    let h2o_state = session.h2o_state();
+    // chunk c >= 1 attends to its own keys and to the memory set M_{c-1}; chunk 0 has no memory
+    let sparse_chunks = if h2o_state.is_some() {
+        chunks.saturating_sub(1)
+    } else {
+        0
+    };
     if cli.json {
         let record = Record {
             model: model.path().display().to_string(),
             prompt_tokens: t.prompt_tokens,
             generated_tokens: t.generated_tokens,
             chunks,
+            sparse_chunks,
+            h2o_state_bytes: h2o_state.map_or(0, |s| s.size_bytes),
             n_batch: config.n_batch,
             n_ubatch: config.n_ubatch,
             n_ctx: session.n_ctx(),
@@ -360,6 +373,17 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         writeln!(stdout)?;
     } else {
         writeln!(stdout)?;
+        let attention = match h2o_state {
+            Some(st) => format!(
+                "H2O: {sparse_chunks} of {chunks} chunks sparse, memory {} tokens (L={} H={}), state {:.2} MiB",
+                st.memory_size,
+                st.local,
+                st.heavy,
+                st.size_bytes as f64 / (1024.0 * 1024.0)
+            ),
+            None => "full attention".into(),
+        };
+        eprintln!("h2o-cli: {attention}");
         eprintln!(
             "h2o-cli: prompt tokens {} | chunks {} (-ub {}) | time to first token {:.2} s | prefill {:.1} tok/s | \
              decode {:.1} tok/s ({} tokens{})",

