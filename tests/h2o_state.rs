@@ -292,3 +292,62 @@ fn h2o_state_is_reset_between_prompts() {
     assert_eq!(first, again);
     assert_eq!(first_sets, all_memory_sets(&s));
 }
+
+#[test]
+fn multi_turn_follows_the_documented_rule() {
+    // README "multi-turn": decode neither reads nor writes scores; a later prompt attends to the
+    // decoded tokens like any cached token of its chunk; a chunk completed by decode gets its
+    // memory set when a prompt first needs it. The result is deterministic and the state valid.
+    let m = common::model();
+    let first = m
+        .tokenize(&h2o_llama::demo::prompt(15), true, true)
+        .unwrap();
+    let second = m
+        .tokenize(
+            "\nNow list the first three crates of the ledger.\n",
+            false,
+            true,
+        )
+        .unwrap();
+    let run = || {
+        let mut s = Session::new(m, h2o_config(64, 64)).unwrap();
+        let mut sampler = Sampler::new(&SamplerConfig::greedy()).unwrap();
+        // enough generated tokens to complete the chunk in progress by decode alone
+        let n_gen = 256 - first.len() % 256 + 8;
+        let a = s
+            .generate(&first, &mut sampler, n_gen, |_| true)
+            .unwrap()
+            .tokens;
+        let after_decode = s.h2o_state().unwrap();
+        let b = s
+            .generate(&second, &mut sampler, 8, |_| true)
+            .unwrap()
+            .tokens;
+        (
+            a,
+            b,
+            after_decode,
+            s.h2o_state().unwrap(),
+            all_memory_sets(&s),
+            s.n_past(),
+        )
+    };
+    let (a1, b1, mid1, end1, sets1, n_past) = run();
+    let (a2, b2, _, _, sets2, _) = run();
+    assert_eq!(
+        (a1, b1, &sets1),
+        (a2, b2, &sets2),
+        "multi-turn is not deterministic"
+    );
+    // decode does not advance the chunk state; the next prompt catches up on the chunks completed
+    // by decode, then on its own
+    assert_eq!(mid1.chunks_done as usize, first.len() / 256);
+    let prompt_end = n_past as usize - 8; // the second prompt's last position + 1
+    assert_eq!(end1.chunks_done as usize, prompt_end / 256);
+    for set in &sets1 {
+        let valid: Vec<i32> = set.iter().copied().filter(|&p| p >= 0).collect();
+        assert_eq!(valid.len(), 128);
+        assert!(valid.windows(2).all(|w| w[0] < w[1]));
+        assert!((*valid.last().unwrap() as usize) < prompt_end / 256 * 256);
+    }
+}
