@@ -302,6 +302,14 @@ mod tests {
 
     const D: usize = 8;
 
+    fn max_abs_diff(a: &Matrix, b: &Matrix) -> f64 {
+        a.data
+            .iter()
+            .zip(&b.data)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    }
+
     fn run(n: usize, params: H2oParams, seed: u64) -> (Matrix, Matrix, Matrix, HeadResult) {
         let mut rng = Rng(seed);
         // Amplitude 2 makes attention peaked enough for selections to depend on the data.
@@ -335,13 +343,7 @@ mod tests {
         let sets = expected_key_sets(n, params.chunk, &r.memory_sets);
         assert_eq!(r.key_sets, sets);
         let dense = dense_attention(&q, &k, &v, 1.0 / (D as f64).sqrt(), &sets);
-        let err = r
-            .output
-            .data
-            .iter()
-            .zip(&dense.data)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let err = max_abs_diff(&r.output, &dense);
         assert!(
             err < 1e-12,
             "n={n} {params:?}: merged output differs from dense by {err}"
@@ -578,14 +580,7 @@ mod tests {
             // Each head equals the single-head computation against its KV head.
             assert_eq!(*r, h2o_attention_head(&q[h], &k[kv], &v[kv], scale, &p));
             let dense = dense_attention(&q[h], &k[kv], &v[kv], scale, &r.key_sets);
-            let err = r
-                .output
-                .data
-                .iter()
-                .zip(&dense.data)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f64::max);
-            assert!(err < 1e-12);
+            assert!(max_abs_diff(&r.output, &dense) < 1e-12);
         }
         // Selection is per query head: heads sharing a KV head still pick different heavy hitters.
         let distinct: std::collections::HashSet<_> =
