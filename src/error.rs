@@ -113,6 +113,9 @@ pub enum Error {
 
     #[error("{0}")]
     DefaultModel(String),
+
+    #[error("attention capture: {0}")]
+    Capture(String),
 }
 
 impl From<std::ffi::NulError> for Error {

@@ -27,6 +27,7 @@
 pub mod sys;
 
 mod backend;
+pub mod capture;
 pub mod default_model;
 pub mod demo;
 mod error;
@@ -36,6 +37,7 @@ mod sampler;
 mod session;
 
 pub use backend::set_log_echo;
+pub use capture::AttentionCapture;
 pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{Sampler, SamplerConfig};

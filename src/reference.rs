@@ -181,6 +181,8 @@ pub struct HeadResult {
     pub memory_sets: Vec<MemorySet>,
     /// Final accumulated score of every position.
     pub scores: Vec<f64>,
+    /// `build_scores[c]`: the scores `memory_sets[c]` was built from (after chunk `c`).
+    pub build_scores: Vec<Vec<f64>>,
     /// The key set each query attended to (for checks against dense attention).
     pub key_sets: Vec<Vec<usize>>,
 }
@@ -195,6 +197,25 @@ pub fn h2o_attention_head(
     scale: f64,
     params: &H2oParams,
 ) -> HeadResult {
+    h2o_attention_head_given_memory(q, k, v, scale, params, &[])
+}
+
+/// [`h2o_attention_head`], except that chunk `c + 1` attends to `given[c]` instead of the
+/// reference's own `M_c` wherever `given` has one. The result's `memory_sets` are still the
+/// reference's own builds, from the scores that history produced.
+///
+/// This is how an engine whose scores are rounded (BF16) is checked without one near-tie
+/// swap spreading to every later chunk: feed its memory sets in, compare each chunk's output
+/// with the engine's, and each of its memory sets with the build from the same history.
+#[must_use]
+pub fn h2o_attention_head_given_memory(
+    q: &Matrix,
+    k: &Matrix,
+    v: &Matrix,
+    scale: f64,
+    params: &H2oParams,
+    given: &[MemorySet],
+) -> HeadResult {
     let n = q.rows;
     assert!(
         k.rows == n && v.rows == n && k.cols == q.cols,
@@ -203,11 +224,17 @@ pub fn h2o_attention_head(
     let mut output = Matrix::new(n, v.cols, vec![0.0; n * v.cols]);
     let mut scores = vec![0.0; n];
     let mut memory_sets: Vec<MemorySet> = Vec::new();
+    let mut build_scores = Vec::new();
+    // the memory set the next chunk attends to: given, or else the reference's own
+    let mut attended: Option<MemorySet> = None;
     let mut key_sets = Vec::with_capacity(n);
     let chunks = chunk_bounds(n, params.chunk);
     for (c, chunk) in chunks.iter().enumerate() {
-        let memory: Vec<usize> = memory_sets
-            .last()
+        if c >= 1 {
+            attended = Some(given.get(c - 1).unwrap_or(&memory_sets[c - 1]).clone());
+        }
+        let memory: Vec<usize> = attended
+            .as_ref()
             .map(|m| m.positions().collect())
             .unwrap_or_default();
         for i in chunk.clone() {
@@ -227,14 +254,16 @@ pub fn h2o_attention_head(
             key_sets.push(memory.iter().copied().chain(intra_keys).collect());
         }
         if c + 1 < chunks.len() {
-            let set = build_memory_set(params, memory_sets.last(), chunk.clone(), &scores);
+            let set = build_memory_set(params, attended.as_ref(), chunk.clone(), &scores);
             memory_sets.push(set);
+            build_scores.push(scores.clone());
         }
     }
     HeadResult {
         output,
         memory_sets,
         scores,
+        build_scores,
         key_sets,
     }
 }

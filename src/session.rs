@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::capture::{AttentionCapture, CaptureSink};
 use crate::error::{DecodeError, Error, H2oError, Result};
 use crate::model::{Model, Token};
 use crate::sampler::Sampler;
@@ -59,6 +60,10 @@ pub struct SessionConfig {
     pub flash_attn: FlashAttention,
     /// H2O sparse prefill; `None` (or L = H = 0) is stock attention.
     pub h2o: Option<H2oConfig>,
+    /// Copy every H2O attention op's inputs and output out of the graph, for checks against
+    /// [`crate::reference`] (see [`Session::take_attention_captures`]). Slow and memory-hungry:
+    /// for verification on short prompts only.
+    pub capture_attention: bool,
 }
 
 impl Default for SessionConfig {
@@ -72,6 +77,7 @@ impl Default for SessionConfig {
                 .unwrap_or(4),
             flash_attn: FlashAttention::Auto,
             h2o: None,
+            capture_attention: false,
         }
     }
 }
@@ -114,6 +120,9 @@ impl SessionConfig {
                             build without that feature, or run without --h2o-local/--h2o-heavy"
                     .into());
             }
+        }
+        if self.capture_attention && cfg!(feature = "stock") {
+            return bad("attention capture reads the H2O op, which the stock engine (feature `stock`) lacks".into());
         }
         Ok(())
     }
@@ -249,6 +258,9 @@ pub struct Session<'m> {
     n_past: u32,
     has_logits: bool,
     interrupt: Option<Arc<AtomicBool>>,
+    /// Filled by llama.cpp's eval callback when `capture_attention` is on; boxed so that the
+    /// address handed to llama.cpp stays put. Dropped after the context (see Drop).
+    capture: Option<Box<CaptureSink>>,
 }
 
 // SAFETY: a llama_context may move between threads; it is only used through &mut self.
@@ -300,6 +312,14 @@ impl<'m> Session<'m> {
             cp.h2o_local = h2o.local as i32;
             cp.h2o_heavy = h2o.heavy as i32;
         }
+        let capture = config
+            .capture_attention
+            .then(|| Box::new(CaptureSink::default()));
+        #[cfg(not(feature = "stock"))]
+        if let Some(sink) = &capture {
+            cp.cb_eval = Some(crate::capture::eval_callback);
+            cp.cb_eval_user_data = (&**sink as *const CaptureSink).cast_mut().cast();
+        }
         backend::clear_recent_log();
         // SAFETY: model outlives the context (lifetime 'm); ownership of the result is ours.
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
@@ -318,6 +338,7 @@ impl<'m> Session<'m> {
             n_past: 0,
             has_logits: false,
             interrupt: None,
+            capture,
         })
     }
 
@@ -459,6 +480,21 @@ impl<'m> Session<'m> {
         Ok(())
     }
 
+    /// The H2O attention ops run since the last call, one [`AttentionCapture`] per layer and
+    /// `llama_decode` call, in the order they ran.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the session was created without
+    /// [`SessionConfig::capture_attention`]; [`Error::Capture`] when a node could not be read.
+    pub fn take_attention_captures(&mut self) -> Result<Vec<AttentionCapture>> {
+        let sink = self.capture.as_ref().ok_or_else(|| {
+            Error::InvalidConfig(
+                "attention capture is off: create the session with capture_attention = true".into(),
+            )
+        })?;
+        sink.take().map_err(Error::Capture)
+    }
+
     /// Registers a flag that, once set (e.g. by a Ctrl-C handler), makes the running and every
     /// later evaluation stop with [`Error::Interrupted`].
     pub fn set_interrupt_flag(&mut self, flag: Arc<AtomicBool>) {
@@ -478,6 +514,9 @@ impl<'m> Session<'m> {
     pub fn reset(&mut self) {
         // SAFETY: valid context; clearing with data = true also zeroes the buffers.
         unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ctx.as_ptr()), true) };
+        if let Some(sink) = &self.capture {
+            sink.clear();
+        }
         self.n_past = 0;
         self.has_logits = false;
     }

@@ -239,6 +239,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             OnOffAuto::Auto => FlashAttention::Auto,
         },
         h2o: h2o.is_enabled().then_some(h2o),
+        ..SessionConfig::default()
     };
     // Fail on bad parameters before any download or model load.
     config.validate()?;

@@ -1,0 +1,217 @@
+//! Capture of the H2O attention op's inputs and output through llama.cpp's eval callback, so that
+//! the engine's prefill can be recomputed by [`crate::reference`] and compared, layer by layer.
+//!
+//! Turned on with [`crate::SessionConfig::capture_attention`]; every `llama_decode` call that
+//! runs the sparse prefill then leaves one [`AttentionCapture`] per layer, taken with
+//! [`crate::Session::take_attention_captures`]. It copies whole K/V caches per layer and call, so
+//! it is a verification tool for short prompts, not something to leave on.
+// The stock engine has no H2O op to read: only the types remain there.
+#![cfg_attr(feature = "stock", allow(dead_code, unused_imports))]
+
+use std::ffi::{c_void, CStr};
+use std::sync::Mutex;
+
+use crate::sys;
+
+/// The H2O attention op of one layer in one `llama_decode` call, as the engine ran it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionCapture {
+    /// Model layer (from the op's graph name `h2o_attn-<layer>`).
+    pub layer: u32,
+    /// First position of the call's tokens.
+    pub p0: u32,
+    pub n_tokens: u32,
+    /// S, L, H and the logit scale the op ran with.
+    pub chunk: u32,
+    pub local: u32,
+    pub heavy: u32,
+    pub scale: f32,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    pub head_dim_v: u32,
+    /// Q of the call's tokens, `[n_tokens][n_head][head_dim]`, F32 as the op received it.
+    pub q: Vec<f32>,
+    /// K of cache positions `0 .. p0 + n_tokens`, `[position][n_head_kv][head_dim]`: the cache's
+    /// F16 values, widened exactly.
+    pub k: Vec<f32>,
+    /// V likewise, `[position][n_head_kv][head_dim_v]`.
+    pub v: Vec<f32>,
+    /// The op's output, `[n_tokens][n_head][head_dim_v]`.
+    pub output: Vec<f32>,
+}
+
+impl AttentionCapture {
+    /// Q rounded to F16 and back: the values the CPU kernel multiplies, since it converts each
+    /// query row to F16 for the dot products with the F16 keys, as llama.cpp's CPU flash
+    /// attention does.
+    #[must_use]
+    pub fn q_rounded_to_f16(&self) -> Vec<f32> {
+        let mut half = vec![0u16; self.q.len()];
+        let mut out = vec![0f32; self.q.len()];
+        // SAFETY: both buffers hold q.len() elements.
+        unsafe {
+            sys::ggml_fp32_to_fp16_row(self.q.as_ptr(), half.as_mut_ptr(), half.len() as i64);
+            sys::ggml_fp16_to_fp32_row(half.as_ptr(), out.as_mut_ptr(), out.len() as i64);
+        }
+        out
+    }
+}
+
+/// What the callback fills; owned (boxed, so its address is stable) by the session.
+#[derive(Debug, Default)]
+pub(crate) struct CaptureSink {
+    captures: Mutex<CaptureLog>,
+}
+
+#[derive(Debug, Default)]
+struct CaptureLog {
+    captures: Vec<AttentionCapture>,
+    /// The first thing the callback could not read, reported by `take` instead of panicking
+    /// across the FFI boundary.
+    error: Option<String>,
+}
+
+impl CaptureSink {
+    pub(crate) fn take(&self) -> Result<Vec<AttentionCapture>, String> {
+        let mut log = self.captures.lock().unwrap_or_else(|e| e.into_inner());
+        match log.error.take() {
+            Some(e) => {
+                log.captures.clear();
+                Err(e)
+            }
+            None => Ok(std::mem::take(&mut log.captures)),
+        }
+    }
+
+    pub(crate) fn clear(&self) {
+        let mut log = self.captures.lock().unwrap_or_else(|e| e.into_inner());
+        *log = CaptureLog::default();
+    }
+}
+
+/// `ggml_backend_sched_eval_callback`: asks for every H2O attention node and copies it out once
+/// it has been computed. Always lets the computation continue.
+#[cfg(not(feature = "stock"))]
+pub(crate) unsafe extern "C" fn eval_callback(
+    t: *mut sys::ggml_tensor,
+    ask: bool,
+    user_data: *mut c_void,
+) -> bool {
+    // SAFETY: llama.cpp passes a valid node; user_data is the session's boxed sink, alive for
+    // as long as the context.
+    let (t, sink) = unsafe { (&*t, &*(user_data as *const CaptureSink)) };
+    if t.op != sys::GGML_OP_H2O_ATTN {
+        return !ask;
+    }
+    if ask {
+        return true;
+    }
+    // A panic must not unwind into C: turn it into the sink's error.
+    let read = std::panic::catch_unwind(|| {
+        // SAFETY: the node has just been computed and its sources are alive until the scheduler
+        // moves on.
+        unsafe { read_h2o_node(t) }
+    });
+    let mut log = sink.captures.lock().unwrap_or_else(|e| e.into_inner());
+    match read {
+        Ok(Ok(c)) => log.captures.push(c),
+        Ok(Err(e)) => {
+            log.error.get_or_insert(e);
+        }
+        Err(_) => {
+            log.error
+                .get_or_insert("panic while reading an H2O node".into());
+        }
+    }
+    true
+}
+
+/// Copies one `GGML_OP_H2O_ATTN` node (see `ggml_h2o_attn` for its layout).
+#[cfg(not(feature = "stock"))]
+unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String> {
+    // SAFETY: the caller guarantees a computed node, so its sources are valid tensors.
+    let (q, k, v) = unsafe { (&*t.src[0], &*t.src[1], &*t.src[2]) };
+    // SAFETY: ggml names are NUL-terminated within their array.
+    let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_string_lossy();
+    let layer = name
+        .strip_prefix("h2o_attn-")
+        .and_then(|s| s.parse::<u32>().ok())
+        .ok_or_else(|| format!("unexpected H2O node name {name:?}"))?;
+    if q.type_ != sys::GGML_TYPE_F32
+        || k.type_ != sys::GGML_TYPE_F16
+        || v.type_ != sys::GGML_TYPE_F16
+        || t.type_ != sys::GGML_TYPE_F32
+    {
+        return Err(format!("layer {layer}: unexpected H2O tensor types"));
+    }
+    let p = &t.op_params;
+    let (p0, n_tokens) = (p[0] as usize, q.ne[2] as usize);
+    let n_pos = p0 + n_tokens;
+    if n_pos as i64 > k.ne[2] {
+        return Err(format!("layer {layer}: positions beyond the K view"));
+    }
+    let (d, n_head, n_head_kv, dv) = (
+        q.ne[0] as usize,
+        q.ne[1] as usize,
+        k.ne[1] as usize,
+        v.ne[0] as usize,
+    );
+    // SAFETY (all four): shapes and strides come from the tensors themselves.
+    let qv = unsafe { read_rows_f32(q, d, n_head, n_tokens) };
+    let kv = unsafe { read_rows_f16(k, d, n_head_kv, n_pos) };
+    let vv = unsafe { read_rows_f16(v, dv, n_head_kv, n_pos) };
+    let out = unsafe { read_rows_f32(t, dv, n_head, n_tokens) };
+    Ok(AttentionCapture {
+        layer,
+        p0: p0 as u32,
+        n_tokens: n_tokens as u32,
+        chunk: p[1] as u32,
+        local: p[2] as u32,
+        heavy: p[3] as u32,
+        scale: f32::from_bits(p[6] as u32),
+        n_head: n_head as u32,
+        n_head_kv: n_head_kv as u32,
+        head_dim: d as u32,
+        head_dim_v: dv as u32,
+        q: qv,
+        k: kv,
+        v: vv,
+        output: out,
+    })
+}
+
+/// Byte offsets of rows `[i2][i1]` (each `ne0` elements long) of a 3-d tensor.
+fn row_offsets(t: &sys::ggml_tensor, n1: usize, n2: usize) -> impl Iterator<Item = usize> + '_ {
+    (0..n2).flat_map(move |i2| (0..n1).map(move |i1| i2 * t.nb[2] + i1 * t.nb[1]))
+}
+
+/// # Safety
+/// `t` is a computed F32 tensor with at least `ne0 × n1 × n2` elements along dims 0–2.
+#[cfg(not(feature = "stock"))]
+unsafe fn read_rows_f32(t: &sys::ggml_tensor, ne0: usize, n1: usize, n2: usize) -> Vec<f32> {
+    let mut out = vec![0f32; ne0 * n1 * n2];
+    for (row, off) in out.chunks_exact_mut(ne0).zip(row_offsets(t, n1, n2)) {
+        // SAFETY: the row lies inside the tensor (caller); ggml copies from any backend.
+        unsafe {
+            sys::ggml_backend_tensor_get(t, row.as_mut_ptr().cast(), off, ne0 * 4);
+        }
+    }
+    out
+}
+
+/// # Safety
+/// As [`read_rows_f32`], for an F16 tensor; values are widened exactly.
+#[cfg(not(feature = "stock"))]
+unsafe fn read_rows_f16(t: &sys::ggml_tensor, ne0: usize, n1: usize, n2: usize) -> Vec<f32> {
+    let mut half = vec![0u16; ne0];
+    let mut out = vec![0f32; ne0 * n1 * n2];
+    for (row, off) in out.chunks_exact_mut(ne0).zip(row_offsets(t, n1, n2)) {
+        // SAFETY: as above; `half` holds one row.
+        unsafe {
+            sys::ggml_backend_tensor_get(t, half.as_mut_ptr().cast(), off, ne0 * 2);
+            sys::ggml_fp16_to_fp32_row(half.as_ptr(), row.as_mut_ptr(), ne0 as i64);
+        }
+    }
+    out
+}
