@@ -611,6 +611,10 @@ impl<'m> Session<'m> {
     /// end-of-generation token or when `on_text` returns false. `on_text` receives the
     /// generated text in complete UTF-8 pieces as it is produced.
     ///
+    /// An empty `prompt` continues from the last evaluation (e.g. after reading
+    /// [`Session::logits`] of a prompt given to [`Session::evaluate`]); its timings then count
+    /// no prefill.
+    ///
     /// # Errors
     /// As [`Session::evaluate`]; [`Error::PromptTooLong`] also when prompt + `n_predict`
     /// exceeds the context.
@@ -650,7 +654,9 @@ impl<'m> Session<'m> {
             ..Timings::default()
         };
         let start = Instant::now();
-        self.evaluate_with_progress(prompt, progress)?;
+        if !prompt.is_empty() || !self.has_logits {
+            self.evaluate_with_progress(prompt, progress)?;
+        }
         timings.prefill = start.elapsed();
 
         let mut tokens = Vec::new();

@@ -107,6 +107,10 @@ struct Cli {
     /// Print one JSON record on stdout instead of text + summary
     #[arg(long)]
     json: bool,
+    /// Write the next-token logits after the prompt to FILE (n_vocab little-endian f32), e.g.
+    /// to diff this build against a stock one
+    #[arg(long, value_name = "FILE")]
+    logits_out: Option<PathBuf>,
     /// Echo llama.cpp's own log to stderr
     #[arg(short = 'v', long)]
     verbose: bool,
@@ -329,19 +333,43 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             eprint!("\r\x1b[K"); // prefill over: leave the line to the generated text
         }
     };
-    let generation = session.generate_with_progress(
-        &prompt,
-        &mut sampler,
-        cli.n_predict,
-        progress,
-        |piece| {
-            if !cli.json {
-                let _ = stdout.write_all(piece.as_bytes());
-                let _ = stdout.flush();
-            }
-            true
-        },
-    )?;
+    let on_text = |piece: &str| {
+        if !cli.json {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+        true
+    };
+    let generation = match &cli.logits_out {
+        None => session.generate_with_progress(
+            &prompt,
+            &mut sampler,
+            cli.n_predict,
+            progress,
+            on_text,
+        )?,
+        Some(path) => {
+            // prefill on its own so that the logits can be saved before sampling
+            let start = std::time::Instant::now();
+            session.evaluate_with_progress(&prompt, progress)?;
+            let prefill = start.elapsed();
+            let logits = session.logits().context("no logits after the prompt")?;
+            let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+            std::fs::write(path, bytes)
+                .with_context(|| format!("cannot write the logits to {}", path.display()))?;
+            let mut g = session.generate_with_progress(
+                &[],
+                &mut sampler,
+                cli.n_predict,
+                |_, _| {},
+                on_text,
+            )?;
+            g.timings.prompt_tokens = prompt.len();
+            g.timings.prefill = prefill;
+            g.timings.time_to_first_token += prefill;
+            g
+        }
+    };
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
     let h2o_state = session.h2o_state();
