@@ -41,23 +41,6 @@ pub struct AttentionCapture {
     pub output: Vec<f32>,
 }
 
-impl AttentionCapture {
-    /// Q rounded to F16 and back: the values the CPU kernel multiplies, since it converts each
-    /// query row to F16 for the dot products with the F16 keys, as llama.cpp's CPU flash
-    /// attention does.
-    #[must_use]
-    pub fn q_rounded_to_f16(&self) -> Vec<f32> {
-        let mut half = vec![0u16; self.q.len()];
-        let mut out = vec![0f32; self.q.len()];
-        // SAFETY: both buffers hold q.len() elements.
-        unsafe {
-            sys::ggml_fp32_to_fp16_row(self.q.as_ptr(), half.as_mut_ptr(), half.len() as i64);
-            sys::ggml_fp16_to_fp32_row(half.as_ptr(), out.as_mut_ptr(), out.len() as i64);
-        }
-        out
-    }
-}
-
 /// What the callback fills; owned (boxed, so its address is stable) by the session.
 #[derive(Debug, Default)]
 pub(crate) struct CaptureSink {

@@ -18,9 +18,9 @@
 //! - the engine's BF16 scores must match the reference's f64 scores to BF16 precision.
 //!
 //! Output tolerance, and why: the reference computes in f64 from exactly the values the kernel
-//! multiplies (the cache's F16 K/V, and Q rounded to F16 as the kernel does). What is left is
-//! the kernel's F32 arithmetic: a dot product of 64 terms, `expf`, and sums over at most S + M
-//! keys, each with relative error around 1e-7 per step. The outputs are convex combinations of
+//! multiplies (F32 Q, the cache's F16 K/V widened exactly). What is left is the kernel's F32
+//! arithmetic: a dot product of 64 terms, `expf`, and sums over at most S + M keys, each with
+//! relative error around 1e-7 per step. The outputs are convex combinations of
 //! V rows, so the error is bounded by a few 1e-6 × max |V|; 1e-4 × max(1, max |V|) leaves
 //! room, and is still far below what a wrong key set causes (one key more or less moves an
 //! output by its attention weight times |V| — ~1e-2 and up here).
@@ -127,7 +127,7 @@ struct LayerTrace {
     d: usize,
     dv: usize,
     scale: f64,
-    /// `[pos][head][d]`, F16-rounded
+    /// `[pos][head][d]`
     q: Vec<f32>,
     /// `[pos][head_kv][d]` from the last call, which sees the whole cache
     k: Vec<f32>,
@@ -155,7 +155,7 @@ fn layer_trace(captures: &[AttentionCapture], layer: u32) -> LayerTrace {
         );
         let p0 = c.p0 as usize;
         let n = c.n_tokens as usize;
-        q[p0 * n_head * d..(p0 + n) * n_head * d].copy_from_slice(&c.q_rounded_to_f16());
+        q[p0 * n_head * d..(p0 + n) * n_head * d].copy_from_slice(&c.q);
         out[p0 * n_head * dv..(p0 + n) * n_head * dv].copy_from_slice(&c.output);
     }
     assert!(
