@@ -73,6 +73,24 @@ pub fn prompt(entries: usize) -> String {
     text
 }
 
+/// Exactly `n_tokens` tokens of demo ledger (BOS first), for benchmarks that need a prompt of a
+/// given length: the ledger is made long enough, tokenized, and cut.
+///
+/// # Errors
+/// As [`Model::tokenize`](crate::Model::tokenize).
+pub fn prompt_tokens(model: &crate::Model, n_tokens: usize) -> crate::Result<Vec<crate::Token>> {
+    // an entry is 25-35 tokens: start a little above what is needed and grow if short
+    let mut entries = n_tokens / 25 + 4;
+    loop {
+        let mut tokens = model.tokenize(&prompt(entries), true, true)?;
+        if tokens.len() >= n_tokens {
+            tokens.truncate(n_tokens);
+            return Ok(tokens);
+        }
+        entries *= 2;
+    }
+}
+
 /// Ledger entries in the CLI's demo prompt: about 2,950 tokens with the default model's
 /// tokenizer, i.e. three chunks at `-ub 1024`.
 pub const DEFAULT_ENTRIES: usize = 100;

@@ -156,6 +156,25 @@ impl Model {
         unsafe { sys::llama_model_n_head_kv(self.ptr.as_ptr()) }.max(0) as u32
     }
 
+    /// Embedding width.
+    #[must_use]
+    pub fn n_embd(&self) -> u32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_embd(self.ptr.as_ptr()) }.max(0) as u32
+    }
+
+    /// Bytes of an F16 K+V cache of `n_ctx` cells (llama.cpp's default cache type), assuming
+    /// the usual head width `n_embd / n_head`.
+    #[must_use]
+    pub fn kv_cache_bytes(&self, n_ctx: u32) -> u64 {
+        let head_dim = u64::from(self.n_embd()) / u64::from(self.n_head().max(1));
+        2 * 2
+            * u64::from(self.n_layer())
+            * u64::from(n_ctx)
+            * u64::from(self.n_head_kv())
+            * head_dim
+    }
+
     /// Context length the model was trained with.
     #[must_use]
     pub fn n_ctx_train(&self) -> u32 {

