@@ -114,6 +114,9 @@ pub enum Error {
     #[error("{0}")]
     DefaultModel(String),
 
+    #[error("llama.cpp returned no logits for token {0} of the batch")]
+    MissingLogits(usize),
+
     #[error("attention capture: {0}")]
     Capture(String),
 }

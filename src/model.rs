@@ -156,6 +156,19 @@ impl Model {
         unsafe { sys::llama_model_n_head_kv(self.ptr.as_ptr()) }.max(0) as u32
     }
 
+    /// The beginning-of-sequence token, if the model's tokenizer adds one.
+    #[must_use]
+    pub fn bos_token(&self) -> Option<Token> {
+        // SAFETY: valid vocab of a valid model.
+        let (adds, bos) = unsafe {
+            (
+                sys::llama_vocab_get_add_bos(self.vocab()),
+                sys::llama_vocab_bos(self.vocab()),
+            )
+        };
+        (adds && bos >= 0).then_some(bos)
+    }
+
     /// Embedding width.
     #[must_use]
     pub fn n_embd(&self) -> u32 {

@@ -217,6 +217,12 @@ impl Batch {
     /// Fills the batch with `tokens` at positions `pos0..`, sequence 0; logits only for the
     /// last token when `logits_last`.
     fn fill(&mut self, tokens: &[Token], pos0: u32, logits_last: bool) {
+        let n = tokens.len();
+        self.fill_with_outputs(tokens, pos0, |i| logits_last && i + 1 == n);
+    }
+
+    /// As [`Batch::fill`], with logits for the tokens where `output(i)` holds.
+    fn fill_with_outputs(&mut self, tokens: &[Token], pos0: u32, output: impl Fn(usize) -> bool) {
         assert!(tokens.len() <= self.capacity, "batch overflow");
         // SAFETY: all arrays were allocated by llama_batch_init for `capacity` entries and
         // seq_id[i] points to room for one id.
@@ -226,7 +232,7 @@ impl Batch {
                 *self.raw.pos.add(i) = (pos0 as usize + i) as i32;
                 *self.raw.n_seq_id.add(i) = 1;
                 *(*self.raw.seq_id.add(i)) = 0;
-                *self.raw.logits.add(i) = i8::from(logits_last && i + 1 == tokens.len());
+                *self.raw.logits.add(i) = i8::from(output(i));
             }
         }
         self.raw.n_tokens = tokens.len() as i32;
@@ -541,6 +547,40 @@ impl<'m> Session<'m> {
         tokens: &[Token],
         mut progress: impl FnMut(usize, usize),
     ) -> Result<()> {
+        self.check_prompt(tokens)?;
+        self.has_logits = false;
+        let mut done = 0;
+        for piece in tokens.chunks(self.config.n_batch as usize) {
+            let last = done + piece.len() == tokens.len();
+            self.batch.fill(piece, self.n_past, last);
+            self.decode_batch()?;
+            self.n_past += piece.len() as u32;
+            done += piece.len();
+            progress(done, tokens.len());
+        }
+        self.has_logits = true;
+        Ok(())
+    }
+
+    /// Runs `llama_decode` on the filled batch, mapping failures (an interrupted or aborted
+    /// decode resets the cache).
+    fn decode_batch(&mut self) -> Result<()> {
+        // SAFETY: valid context and a batch filled within its capacity.
+        let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch.raw) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = DecodeError::from_code(rc);
+        if err == DecodeError::Aborted || self.interrupted() {
+            // Part of the batch may be in the cache: start clean rather than guess.
+            self.reset();
+            return Err(Error::Interrupted);
+        }
+        Err(Error::Decode(err))
+    }
+
+    /// The checks every evaluation makes before touching the cache.
+    fn check_prompt(&self, tokens: &[Token]) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::EmptyPrompt);
         }
@@ -558,25 +598,39 @@ impl<'m> Session<'m> {
                 "token id {bad} is outside the vocabulary (0..{vocab})"
             )));
         }
+        Ok(())
+    }
+
+    /// Appends `tokens` like [`Session::evaluate`], and hands the next-token logits after every
+    /// token to `each(i, logits)` (`i` indexes `tokens`), call by call, so that at most
+    /// `n_batch` rows are held at once. Afterwards [`Session::logits`] is the last token's.
+    ///
+    /// # Errors
+    /// As [`Session::evaluate`].
+    pub fn evaluate_with_logits(
+        &mut self,
+        tokens: &[Token],
+        mut each: impl FnMut(usize, &[f32]),
+    ) -> Result<()> {
+        self.check_prompt(tokens)?;
         self.has_logits = false;
+        let n_vocab = self.model.n_vocab();
         let mut done = 0;
         for piece in tokens.chunks(self.config.n_batch as usize) {
-            let last = done + piece.len() == tokens.len();
-            self.batch.fill(piece, self.n_past, last);
-            // SAFETY: valid context and a batch filled within its capacity.
-            let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch.raw) };
-            if rc != 0 {
-                let err = DecodeError::from_code(rc);
-                if err == DecodeError::Aborted || self.interrupted() {
-                    // Part of the batch may be in the cache: start clean rather than guess.
-                    self.reset();
-                    return Err(Error::Interrupted);
-                }
-                return Err(Error::Decode(err));
+            self.batch.fill_with_outputs(piece, self.n_past, |_| true);
+            self.decode_batch()?;
+            for i in 0..piece.len() {
+                // SAFETY: the batch asked for logits of every token; llama.cpp keeps them until
+                // the next decode, which needs &mut self.
+                let row = unsafe {
+                    let p = sys::llama_get_logits_ith(self.ctx.as_ptr(), i as i32);
+                    (!p.is_null()).then(|| std::slice::from_raw_parts(p, n_vocab))
+                };
+                let row = row.ok_or(Error::MissingLogits(i))?;
+                each(done + i, row);
             }
             self.n_past += piece.len() as u32;
             done += piece.len();
-            progress(done, tokens.len());
         }
         self.has_logits = true;
         Ok(())

@@ -209,3 +209,65 @@ fn bench_measures_both_engines_and_reports_the_ratio() {
     assert_eq!(o.status.code(), Some(3));
     assert!(stderr(&o).contains("--features stock"), "{}", stderr(&o));
 }
+
+#[test]
+fn perplexity_scores_h2o_against_full_attention() {
+    let dir = common::scratch("perplexity");
+    let text_file = dir.join("ledger.txt");
+    let text = h2o_llama::demo::prompt(40);
+    std::fs::write(&text_file, &text).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
+        .arg("perplexity")
+        .arg("-m")
+        .arg(common::model_path())
+        .arg("-f")
+        .arg(&text_file)
+        .args(["-c", "512", "-b", "256", "--ubatch-size", "128"])
+        .args(["--h2o-local", "32", "--h2o-heavy", "32", "--chunks", "1"])
+        .args(["-t", "2", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["windows"], 1);
+    assert_eq!(r["whole"]["positions"], 511);
+    assert_eq!(r["second_half"]["positions"], 255);
+    for part in ["whole", "second_half"] {
+        let p = &r[part];
+        assert!(p["ppl_h2o"].as_f64().unwrap() > 1.0);
+        assert!(p["kld_mean"].as_f64().unwrap() >= 0.0);
+        let top1 = p["top1_agreement_percent"].as_f64().unwrap();
+        assert!((0.0..=100.0).contains(&top1));
+    }
+
+    // full attention's perplexity, recomputed here from the library's logits
+    let m = common::model();
+    let tokens = m.tokenize(&text, true, false).unwrap();
+    let mut s = h2o_llama::Session::new(
+        m,
+        h2o_llama::SessionConfig {
+            n_ctx: 512,
+            n_batch: 256,
+            n_ubatch: 128,
+            n_threads: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut nll = 0.0f64;
+    s.evaluate_with_logits(&tokens[..512], |i, logits| {
+        if i + 1 < 512 {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+            nll += sum.ln() - f64::from(logits[tokens[i + 1] as usize] - max);
+        }
+    })
+    .unwrap();
+    let ppl = (nll / 511.0).exp();
+    let reported = r["whole"]["ppl_full"].as_f64().unwrap();
+    assert!(
+        (ppl - reported).abs() / ppl < 1e-4,
+        "perplexity {reported}, recomputed {ppl}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -16,6 +16,7 @@ use h2o_llama::{
 
 /// Exit codes (documented in README): distinct per failure class.
 mod bench;
+mod perplexity;
 
 mod exit {
     #[allow(dead_code)] // clap exits with it itself; listed so the table is complete
@@ -134,6 +135,8 @@ struct Cli {
 enum Command {
     /// Prefill throughput of H2O against stock llama.cpp, interleaved in one run
     Bench(bench::BenchArgs),
+    /// Perplexity of H2O and of full attention on a text, and the KL divergence between them
+    Perplexity(perplexity::PerplexityArgs),
 }
 
 /// llama.cpp spells some flags with a multi-letter single dash (`-ub`, `-fa`, `-ngl`), which
@@ -198,6 +201,7 @@ fn main() -> ExitCode {
     }
     let result = match &cli.command {
         Some(Command::Bench(args)) => bench::run(args, &interrupt),
+        Some(Command::Perplexity(args)) => perplexity::run(args, interrupt),
         None => run(&cli, interrupt),
     };
     match result {
@@ -233,16 +237,7 @@ fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
         return Ok((p.clone(), "-p"));
     }
     if let Some(f) = &cli.file {
-        let bytes =
-            std::fs::read(f).with_context(|| format!("cannot read prompt file {}", f.display()))?;
-        let text = String::from_utf8(bytes).map_err(|e| {
-            anyhow::anyhow!(
-                "prompt file {} is not UTF-8 text (invalid byte at offset {}); convert it first, e.g. iconv -t UTF-8",
-                f.display(),
-                e.utf8_error().valid_up_to()
-            )
-        })?;
-        return Ok((text, "-f"));
+        return Ok((read_text_file(f, "prompt file")?, "-f"));
     }
     Ok((demo::prompt(demo::DEFAULT_ENTRIES), "demo"))
 }
@@ -284,20 +279,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         return Err(Error::EmptyPrompt.into());
     }
 
-    let model_path = match &cli.model {
-        Some(p) => p.clone(),
-        None => default_model::ensure(|msg| {
-            if !cli.json {
-                eprintln!("h2o-cli: {msg}");
-            }
-        })?,
-    };
-    let model = Model::load(
-        &model_path,
-        &ModelParams {
-            n_gpu_layers: cli.n_gpu_layers,
-        },
-    )?;
+    let model = load_model(cli.model.as_deref(), cli.n_gpu_layers, cli.json)?;
     let mut session = Session::new(&model, config.clone())?;
     session.set_interrupt_flag(interrupt);
     let prompt = match cli.synthetic_prompt {
@@ -478,4 +460,29 @@ fn peak_rss_bytes() -> Option<u64> {
         .parse()
         .ok()?;
     Some(kib * 1024)
+}
+
+/// Reads a UTF-8 text file, naming `what` it is in errors.
+fn read_text_file(f: &std::path::Path, what: &str) -> Result<String> {
+    let bytes = std::fs::read(f).with_context(|| format!("cannot read {what} {}", f.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{what} {} is not UTF-8 text (invalid byte at offset {}); convert it first, e.g. iconv -t UTF-8",
+            f.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
+/// Loads `-m FILE`, or the default model (fetched on first use; `quiet` hides the messages).
+fn load_model(path: Option<&std::path::Path>, n_gpu_layers: i32, quiet: bool) -> Result<Model> {
+    let path = match path {
+        Some(p) => p.to_path_buf(),
+        None => default_model::ensure(|msg| {
+            if !quiet {
+                eprintln!("h2o-cli: {msg}");
+            }
+        })?,
+    };
+    Ok(Model::load(&path, &ModelParams { n_gpu_layers })?)
 }

@@ -1,0 +1,323 @@
+//! `h2o-cli perplexity`: how much worse H2O predicts a text than full attention.
+//!
+//! Like llama-perplexity: the text is cut into consecutive windows of `-c` tokens, each window
+//! is evaluated from an empty cache (its first token replaced by BOS), and every position
+//! predicts the next token. Perplexity is reported over the whole window and over its second
+//! half (llama-perplexity's convention: the second half has at least `c/2` tokens of context).
+//! Both engines run in this process, call by call in step, so that H2O's token distributions can
+//! be compared with full attention's (the KL divergence and top-1 agreement of
+//! llama-perplexity's `--kl-divergence`) without storing them.
+//!
+//! Full attention here is this build with H2O off, which `tests/stock_equivalence.rs` shows is
+//! bit-identical to the stock build; `scripts/ppl-vs-stock.sh` also runs the stock build itself.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use h2o_llama::{H2oConfig, Session, SessionConfig, Token};
+
+#[derive(clap::Args, Debug)]
+pub struct PerplexityArgs {
+    /// Text to score (UTF-8)
+    #[arg(short = 'f', long, value_name = "FILE")]
+    file: PathBuf,
+    /// Model file (GGUF) [default: the default model]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Window (context) size in tokens
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        value_name = "N",
+        default_value_t = 4096
+    )]
+    ctx_size: u32,
+    /// Logical batch; logits of every token of a call are held at once (n_vocab floats each)
+    #[arg(
+        short = 'b',
+        long = "batch-size",
+        value_name = "N",
+        default_value_t = 1024
+    )]
+    batch_size: u32,
+    /// Physical batch, which is the H2O chunk size S
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 1024)]
+    ubatch_size: u32,
+    /// H2O: recent tokens L
+    #[arg(long, value_name = "L", default_value_t = 256)]
+    h2o_local: u32,
+    /// H2O: heavy hitters H
+    #[arg(long, value_name = "H", default_value_t = 256)]
+    h2o_heavy: u32,
+    /// Score at most this many windows [default: all]
+    #[arg(long, value_name = "N")]
+    chunks: Option<usize>,
+    /// CPU threads
+    #[arg(short = 't', long)]
+    threads: Option<u32>,
+    /// Print one JSON record instead of the table
+    #[arg(long)]
+    json: bool,
+}
+
+/// Negative log-likelihoods and distribution comparisons, per scored position.
+#[derive(Debug, Default)]
+struct Scores {
+    nll_full: Vec<f64>,
+    nll_h2o: Vec<f64>,
+    /// KL(full ‖ H2O) in nats
+    kld: Vec<f64>,
+    top1_same: Vec<bool>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Part {
+    positions: usize,
+    ppl_full: f64,
+    ppl_h2o: f64,
+    /// (ppl_h2o / ppl_full − 1) × 100
+    delta_ppl_percent: f64,
+    kld_mean: f64,
+    kld_median: f64,
+    kld_p99: f64,
+    kld_max: f64,
+    top1_agreement_percent: f64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Report {
+    file: String,
+    model: String,
+    text_tokens: usize,
+    windows: usize,
+    n_ctx: u32,
+    n_batch: u32,
+    n_ubatch: u32,
+    /// None: full attention only (L = H = 0)
+    h2o: Option<H2oConfig>,
+    whole: Part,
+    second_half: Part,
+}
+
+pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    let h2o = H2oConfig {
+        local: args.h2o_local,
+        heavy: args.h2o_heavy,
+    };
+    if args.ctx_size < 4 {
+        bail!("-c {}: a window needs at least 4 tokens", args.ctx_size);
+    }
+    let base = SessionConfig {
+        n_ctx: args.ctx_size,
+        n_batch: args.batch_size,
+        n_ubatch: args.ubatch_size,
+        n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
+        ..SessionConfig::default()
+    };
+    let h2o_config = SessionConfig {
+        h2o: Some(h2o),
+        ..base.clone()
+    };
+    base.validate()?;
+    if h2o.is_enabled() {
+        h2o_config.validate()?;
+    }
+    let text = crate::read_text_file(&args.file, "text file")?;
+    let model = crate::load_model(args.model.as_deref(), 0, args.json)?;
+    let tokens = model.tokenize(&text, true, false)?;
+    let n_ctx = args.ctx_size as usize;
+    let mut windows = tokens.len() / n_ctx;
+    if windows == 0 {
+        bail!(
+            "{} has {} tokens, fewer than one window of -c {}: use a smaller -c or a longer text",
+            args.file.display(),
+            tokens.len(),
+            n_ctx
+        );
+    }
+    if let Some(limit) = args.chunks {
+        windows = windows.min(limit.max(1));
+    }
+    let mut full = Session::new(&model, base)?;
+    full.set_interrupt_flag(interrupt.clone());
+    // L = H = 0: full attention only (how the stock build, which has no H2O, takes part)
+    let mut sparse = match h2o.is_enabled() {
+        true => Some(Session::new(&model, h2o_config)?),
+        false => None,
+    };
+    if let Some(s) = &mut sparse {
+        s.set_interrupt_flag(interrupt);
+    }
+    let bos = model.bos_token();
+    let show_progress = !args.json && std::io::stderr().is_terminal();
+
+    let mut whole = Scores::default();
+    let mut second = Scores::default();
+    for w in 0..windows {
+        let mut window: Vec<Token> = tokens[w * n_ctx..(w + 1) * n_ctx].to_vec();
+        if let Some(bos) = bos {
+            window[0] = bos;
+        }
+        full.reset();
+        if let Some(s) = &mut sparse {
+            s.reset();
+        }
+        let first_second_half = n_ctx / 2;
+        for (start, piece) in window.chunks(args.batch_size as usize).scan(0, |s, p| {
+            let start = *s;
+            *s += p.len();
+            Some((start, p))
+        }) {
+            if show_progress {
+                eprint!(
+                    "\r\x1b[Kperplexity: window {}/{windows}, tokens {start}/{n_ctx}",
+                    w + 1
+                );
+            }
+            // full attention first, its log-probabilities kept for the call's tokens
+            let mut log_probs: Vec<Vec<f32>> = Vec::with_capacity(piece.len());
+            full.evaluate_with_logits(piece, |_, logits| log_probs.push(log_softmax(logits)))?;
+            let mut score = |i: usize, lp_h2o: &[f32]| {
+                let pos = start + i;
+                let Some(&next) = window.get(pos + 1) else {
+                    return; // the last token predicts beyond the window
+                };
+                let lp_full = &log_probs[i];
+                let next = next as usize;
+                let kld: f64 = lp_full
+                    .iter()
+                    .zip(lp_h2o)
+                    .map(|(&f, &h)| f64::from(f).exp() * (f64::from(f) - f64::from(h)))
+                    .sum();
+                let same = argmax(lp_full) == argmax(lp_h2o);
+                for scores in [
+                    Some(&mut whole),
+                    (pos >= first_second_half).then_some(&mut second),
+                ]
+                .into_iter()
+                .flatten()
+                {
+                    scores.nll_full.push(-f64::from(lp_full[next]));
+                    scores.nll_h2o.push(-f64::from(lp_h2o[next]));
+                    scores.kld.push(kld.max(0.0));
+                    scores.top1_same.push(same);
+                }
+            };
+            match &mut sparse {
+                Some(s) => {
+                    s.evaluate_with_logits(piece, |i, logits| score(i, &log_softmax(logits)))?
+                }
+                // no H2O: compare full attention with itself, which leaves only its perplexity
+                None => (0..piece.len()).for_each(|i| score(i, &log_probs[i])),
+            }
+        }
+    }
+    if show_progress {
+        eprint!("\r\x1b[K");
+    }
+    let report = Report {
+        file: args.file.display().to_string(),
+        model: model.path().display().to_string(),
+        text_tokens: tokens.len(),
+        windows,
+        n_ctx: args.ctx_size,
+        n_batch: args.batch_size,
+        n_ubatch: args.ubatch_size,
+        h2o: h2o.is_enabled().then_some(h2o),
+        whole: summarise(&whole),
+        second_half: summarise(&second),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", table(&report));
+    }
+    Ok(())
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+    let log_sum = sum.ln() as f32;
+    logits.iter().map(|&x| x - max - log_sum).collect()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    (0..v.len())
+        .max_by(|&i, &j| v[i].total_cmp(&v[j]))
+        .unwrap_or(0)
+}
+
+fn summarise(s: &Scores) -> Part {
+    let n = s.nll_full.len().max(1) as f64;
+    let ppl = |nll: &[f64]| (nll.iter().sum::<f64>() / n).exp();
+    let mut kld = s.kld.clone();
+    kld.sort_by(f64::total_cmp);
+    let quantile = |q: f64| {
+        if kld.is_empty() {
+            0.0
+        } else {
+            kld[((kld.len() - 1) as f64 * q).round() as usize]
+        }
+    };
+    let (ppl_full, ppl_h2o) = (ppl(&s.nll_full), ppl(&s.nll_h2o));
+    Part {
+        positions: s.nll_full.len(),
+        ppl_full,
+        ppl_h2o,
+        delta_ppl_percent: (ppl_h2o / ppl_full - 1.0) * 100.0,
+        kld_mean: s.kld.iter().sum::<f64>() / n,
+        kld_median: quantile(0.5),
+        kld_p99: quantile(0.99),
+        kld_max: quantile(1.0),
+        top1_agreement_percent: 100.0 * s.top1_same.iter().filter(|&&x| x).count() as f64 / n,
+    }
+}
+
+fn table(r: &Report) -> String {
+    let mut s = format!(
+        "text: {} ({} tokens, {} windows of -c {}) | model: {} | -b {} -ub {} | {}\n\n",
+        r.file,
+        r.text_tokens,
+        r.windows,
+        r.n_ctx,
+        r.model,
+        r.n_batch,
+        r.n_ubatch,
+        match r.h2o {
+            Some(h) => format!("H2O L = {} H = {}", h.local, h.heavy),
+            None => "full attention only (H2O off)".into(),
+        }
+    );
+    if r.h2o.is_none() {
+        s.push_str("| positions | scored | ppl |\n|---|---:|---:|\n");
+        for (name, p) in [("whole window", &r.whole), ("second half", &r.second_half)] {
+            s.push_str(&format!(
+                "| {name} | {} | {:.4} |\n",
+                p.positions, p.ppl_full
+            ));
+        }
+        return s;
+    }
+    s.push_str(
+        "| positions | scored | ppl full attention | ppl H2O | Δ ppl | KLD mean | KLD median | KLD p99 \
+         | top-1 agreement |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (name, p) in [("whole window", &r.whole), ("second half", &r.second_half)] {
+        s.push_str(&format!(
+            "| {name} | {} | {:.4} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.5} | {:.2} % |\n",
+            p.positions,
+            p.ppl_full,
+            p.ppl_h2o,
+            p.delta_ppl_percent,
+            p.kld_mean,
+            p.kld_median,
+            p.kld_p99,
+            p.top1_agreement_percent
+        ));
+    }
+    s
+}
