@@ -41,15 +41,8 @@ pub struct BenchArgs {
     /// grow with -b; -b equal to -ub keeps its peak memory at stock's
     #[arg(short = 'b', long = "batch-size", value_name = "N")]
     batch_size: Option<u32>,
-    /// Physical batch, which is the H2O chunk size S
-    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 1024)]
-    ubatch_size: u32,
-    /// H2O: recent tokens L
-    #[arg(long, value_name = "L", default_value_t = 256)]
-    h2o_local: u32,
-    /// H2O: heavy hitters H
-    #[arg(long, value_name = "H", default_value_t = 256)]
-    h2o_heavy: u32,
+    #[command(flatten)]
+    shape: crate::H2oShape,
     /// The stock (unpatched) build's h2o-cli to compare against; build it with
     /// `cargo build --release --features stock --target-dir target/stock`. Without it the
     /// baseline is full attention in this build, and is labelled so.
@@ -132,7 +125,7 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         let n_batch = args
             .batch_size
             .unwrap_or(n.min(DEFAULT_BATCH))
-            .max(args.ubatch_size);
+            .max(args.shape.ubatch_size);
         let mut base = Series::default();
         let mut h2o = Series::default();
         for rep in 1..=args.repetitions {
@@ -182,9 +175,9 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
             "full attention"
         },
         threads: args.threads,
-        n_ubatch: args.ubatch_size,
-        h2o_local: args.h2o_local,
-        h2o_heavy: args.h2o_heavy,
+        n_ubatch: args.shape.ubatch_size,
+        h2o_local: args.shape.h2o_local,
+        h2o_heavy: args.shape.h2o_heavy,
         repetitions: args.repetitions,
         rows,
     };
@@ -250,12 +243,12 @@ fn measure(
         .args(["--synthetic-prompt", &n.to_string()])
         .args(["-c", &n.max(n_batch).to_string()])
         .args(["-b", &n_batch.to_string()])
-        .args(["--ubatch-size", &args.ubatch_size.to_string()])
+        .args(["--ubatch-size", &args.shape.ubatch_size.to_string()])
         .args(["-t", &args.threads.to_string()])
         .args(["-n", "0", "--temp", "0", "--json"]);
     if engine == Engine::H2o {
-        cmd.args(["--h2o-local", &args.h2o_local.to_string()])
-            .args(["--h2o-heavy", &args.h2o_heavy.to_string()]);
+        cmd.args(["--h2o-local", &args.shape.h2o_local.to_string()])
+            .args(["--h2o-heavy", &args.shape.h2o_heavy.to_string()]);
     }
     let out = cmd
         .output()

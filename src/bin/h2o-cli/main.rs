@@ -131,6 +131,21 @@ struct Cli {
     command: Option<Command>,
 }
 
+/// The H2O shape the `bench` and `perplexity` subcommands share: chunk size S and memory L + H,
+/// defaulting to the design's `-ub 1024 --h2o-local 256 --h2o-heavy 256`.
+#[derive(clap::Args, Debug)]
+struct H2oShape {
+    /// Physical batch, which is the H2O chunk size S
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 1024)]
+    ubatch_size: u32,
+    /// H2O: recent tokens L
+    #[arg(long, value_name = "L", default_value_t = 256)]
+    h2o_local: u32,
+    /// H2O: heavy hitters H
+    #[arg(long, value_name = "H", default_value_t = 256)]
+    h2o_heavy: u32,
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Prefill throughput of H2O against stock llama.cpp, interleaved in one run

@@ -43,15 +43,8 @@ pub struct PerplexityArgs {
         default_value_t = 1024
     )]
     batch_size: u32,
-    /// Physical batch, which is the H2O chunk size S
-    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 1024)]
-    ubatch_size: u32,
-    /// H2O: recent tokens L
-    #[arg(long, value_name = "L", default_value_t = 256)]
-    h2o_local: u32,
-    /// H2O: heavy hitters H
-    #[arg(long, value_name = "H", default_value_t = 256)]
-    h2o_heavy: u32,
+    #[command(flatten)]
+    shape: crate::H2oShape,
     /// Score at most this many windows [default: all]
     #[arg(long, value_name = "N")]
     chunks: Option<usize>,
@@ -104,8 +97,8 @@ struct Report {
 
 pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     let h2o = H2oConfig {
-        local: args.h2o_local,
-        heavy: args.h2o_heavy,
+        local: args.shape.h2o_local,
+        heavy: args.shape.h2o_heavy,
     };
     if args.ctx_size < 4 {
         bail!("-c {}: a window needs at least 4 tokens", args.ctx_size);
@@ -113,7 +106,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     let base = SessionConfig {
         n_ctx: args.ctx_size,
         n_batch: args.batch_size,
-        n_ubatch: args.ubatch_size,
+        n_ubatch: args.shape.ubatch_size,
         n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
         ..SessionConfig::default()
     };
@@ -225,7 +218,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         windows,
         n_ctx: args.ctx_size,
         n_batch: args.batch_size,
-        n_ubatch: args.ubatch_size,
+        n_ubatch: args.shape.ubatch_size,
         h2o: h2o.is_enabled().then_some(h2o),
         whole: summarise(&whole),
         second_half: summarise(&second),
