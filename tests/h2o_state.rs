@@ -132,22 +132,6 @@ fn h2o_parameters_are_validated() {
         .is_some());
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .unwrap()
-        .0
-}
-
-/// Evaluates `tokens` in calls of at most `split` tokens; returns the last logits.
 fn evaluate_split(s: &mut Session<'_>, tokens: &[i32], split: usize) -> Vec<f32> {
     for piece in tokens.chunks(split) {
         s.evaluate(piece).unwrap();
@@ -203,8 +187,8 @@ fn prompt_within_one_chunk_matches_full_attention() {
         }),
         FlashAttention::On,
     );
-    let stock_spread = max_abs_diff(&f32_path, &flash);
-    let d = max_abs_diff(&f32_path, &h2o);
+    let stock_spread = common::max_abs_diff(&f32_path, &flash);
+    let d = common::max_abs_diff(&f32_path, &h2o);
     eprintln!(
         "N <= S: max |logit difference| vs the F32 path: H2O {d}, flash attention {stock_spread}"
     );
@@ -212,7 +196,7 @@ fn prompt_within_one_chunk_matches_full_attention() {
         d <= 2.0 * stock_spread + 0.1,
         "H2O {d} vs stock's own kernel spread {stock_spread}"
     );
-    assert_eq!(argmax(&h2o), argmax(&f32_path));
+    assert_eq!(common::argmax(&h2o), common::argmax(&f32_path));
     // decode is flash attention in both: the greedy continuation is the same
     assert_eq!(h2o_greedy, flash_greedy);
     // no chunk completed: no memory set yet
@@ -253,9 +237,13 @@ fn multi_chunk_prefill_is_independent_of_the_split() {
     }
     let (_, base_logits, base_sets) = &results[0];
     for (split, logits, sets) in &results[1..] {
-        let d = max_abs_diff(base_logits, logits);
+        let d = common::max_abs_diff(base_logits, logits);
         assert!(d < 1e-2, "split {split}: max |logit difference| {d}");
-        assert_eq!(argmax(base_logits), argmax(logits), "split {split}");
+        assert_eq!(
+            common::argmax(base_logits),
+            common::argmax(logits),
+            "split {split}"
+        );
         let differing = base_sets.iter().zip(sets).filter(|(a, b)| a != b).count();
         assert_eq!(
             differing,

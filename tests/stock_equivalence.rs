@@ -85,18 +85,6 @@ fn run(cli: &Path, prompt: &Path, args: &[&str], tag: &str) -> Output {
     }
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn argmax(v: &[f32]) -> usize {
-    (0..v.len()).max_by(|&i, &j| v[i].total_cmp(&v[j])).unwrap()
-}
-
 #[test]
 fn patched_build_equals_stock_with_h2o_off_and_within_one_chunk() {
     let stock = stock_cli();
@@ -123,7 +111,7 @@ fn patched_build_equals_stock_with_h2o_off_and_within_one_chunk() {
         assert!(
             identical,
             "-fa {fa}: H2O off differs from stock by up to {}",
-            max_abs_diff(&s.logits, &p.logits)
+            common::max_abs_diff(&s.logits, &p.logits)
         );
         assert_eq!(s.text, p.text, "-fa {fa}: greedy continuation");
     }
@@ -154,16 +142,22 @@ fn patched_build_equals_stock_with_h2o_off_and_within_one_chunk() {
         &[&chunk[..], &["--h2o-local", "64", "--h2o-heavy", "64"]].concat(),
         "h2o",
     );
-    let spread = max_abs_diff(&stock_f32.logits, &stock_fa.logits);
-    let d_f32 = max_abs_diff(&stock_f32.logits, &h2o.logits);
-    let d_fa = max_abs_diff(&stock_fa.logits, &h2o.logits);
+    let spread = common::max_abs_diff(&stock_f32.logits, &stock_fa.logits);
+    let d_f32 = common::max_abs_diff(&stock_f32.logits, &h2o.logits);
+    let d_fa = common::max_abs_diff(&stock_fa.logits, &h2o.logits);
     eprintln!(
         "N <= S: max |logit difference|: H2O vs stock F32 path {d_f32}, H2O vs stock flash \
          attention {d_fa}; stock's own kernels differ by {spread}"
     );
     assert!(d_f32 <= 2.0 * spread + 0.1 && d_fa <= 2.0 * spread + 0.1);
-    assert_eq!(argmax(&h2o.logits), argmax(&stock_f32.logits));
-    assert_eq!(argmax(&h2o.logits), argmax(&stock_fa.logits));
+    assert_eq!(
+        common::argmax(&h2o.logits),
+        common::argmax(&stock_f32.logits)
+    );
+    assert_eq!(
+        common::argmax(&h2o.logits),
+        common::argmax(&stock_fa.logits)
+    );
     // decode after the prompt is full attention in both
     assert_eq!(h2o.text, stock_fa.text, "greedy continuation");
     let _ = std::fs::remove_dir_all(&dir);

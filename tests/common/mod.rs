@@ -31,3 +31,17 @@ pub fn scratch(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// Largest |a[i] − b[i]| of two logit vectors of the same length.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "logit vectors of different lengths");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Index of the largest value (the greedy token).
+pub fn argmax(v: &[f32]) -> usize {
+    (0..v.len()).max_by(|&i, &j| v[i].total_cmp(&v[j])).unwrap()
+}

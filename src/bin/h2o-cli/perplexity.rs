@@ -137,10 +137,10 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     let mut full = Session::new(&model, base)?;
     full.set_interrupt_flag(interrupt.clone());
     // L = H = 0: full attention only (how the stock build, which has no H2O, takes part)
-    let mut sparse = match h2o.is_enabled() {
-        true => Some(Session::new(&model, h2o_config)?),
-        false => None,
-    };
+    let mut sparse = h2o
+        .is_enabled()
+        .then(|| Session::new(&model, h2o_config))
+        .transpose()?;
     if let Some(s) = &mut sparse {
         s.set_interrupt_flag(interrupt);
     }
