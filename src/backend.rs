@@ -14,7 +14,8 @@ use crate::sys;
 
 static INIT: OnceLock<()> = OnceLock::new();
 static ECHO: AtomicBool = AtomicBool::new(false);
-static RECENT: Mutex<VecDeque<String>> = Mutex::new(VecDeque::new());
+/// Recent warnings and errors, each with whether it was an error.
+static RECENT: Mutex<VecDeque<(bool, String)>> = Mutex::new(VecDeque::new());
 const RECENT_MAX: usize = 16;
 
 /// Initialises llama.cpp's backends and installs the log sink; idempotent and thread-safe.
@@ -43,13 +44,16 @@ pub(crate) fn clear_recent_log() {
     RECENT.lock().unwrap_or_else(|e| e.into_inner()).clear();
 }
 
-/// The warnings/errors llama.cpp logged since the last [`clear_recent_log`], joined; or a
-/// generic text when it logged nothing.
+/// The errors llama.cpp logged since the last [`clear_recent_log`], joined — or its warnings
+/// when it logged no error (a warning next to an error is usually beside the point), or a
+/// generic text when it logged neither.
 pub(crate) fn recent_log_reason() -> String {
     let recent = RECENT.lock().unwrap_or_else(|e| e.into_inner());
+    let any_error = recent.iter().any(|(is_error, _)| *is_error);
     let lines: Vec<&str> = recent
         .iter()
-        .map(|s| s.trim())
+        .filter(|(is_error, _)| *is_error || !any_error)
+        .map(|(_, s)| s.trim())
         .filter(|s| !s.is_empty())
         .collect();
     if lines.is_empty() {
@@ -73,6 +77,6 @@ unsafe extern "C" fn log_sink(level: sys::ggml_log_level, text: *const c_char, _
         if recent.len() == RECENT_MAX {
             recent.pop_front();
         }
-        recent.push_back(msg.into_owned());
+        recent.push_back((level == sys::GGML_LOG_LEVEL_ERROR, msg.into_owned()));
     }
 }

@@ -89,9 +89,15 @@ pub enum Error {
     #[error("the prompt is empty: give some text with -p or -f")]
     EmptyPrompt,
 
-    #[error("the prompt has {n_tokens} tokens but the context holds {n_ctx}: use a larger -c (the model was trained with {n_ctx_train}) or a shorter prompt")]
+    /// `n_tokens` = tokens already in the session + the prompt's `n_prompt` + `n_predict` to
+    /// generate.
+    #[error("{n_tokens} tokens do not fit in the context of {n_ctx} (prompt {n_prompt}, to generate \
+             {n_predict}, already in the session {}): use a larger -c (the model was trained with \
+             {n_ctx_train}), a shorter prompt or a smaller -n", .n_tokens - .n_prompt - .n_predict)]
     PromptTooLong {
         n_tokens: usize,
+        n_prompt: usize,
+        n_predict: usize,
         n_ctx: u32,
         n_ctx_train: u32,
     },

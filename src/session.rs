@@ -51,9 +51,10 @@ pub enum FlashAttention {
 pub struct SessionConfig {
     /// Context size in tokens (`-c`); 0 = the model's training context.
     pub n_ctx: u32,
-    /// Logical batch: the most tokens handed to one `llama_decode` call (`-b`).
+    /// Logical batch: the most tokens handed to one `llama_decode` call (`-b`). Like
+    /// llama.cpp, a session caps it at `n_ctx`; [`Session::config`] reports the value in effect.
     pub n_batch: u32,
-    /// Physical batch, which is also the H2O chunk size S (`-ub`).
+    /// Physical batch, which is also the H2O chunk size S (`-ub`); capped at `n_batch`.
     pub n_ubatch: u32,
     /// CPU threads (`-t`).
     pub n_threads: u32,
@@ -105,6 +106,22 @@ impl SessionConfig {
             return bad("thread count (-t) must be at least 1".into());
         }
         if let Some(h2o) = self.h2o.filter(H2oConfig::is_enabled) {
+            // llama.cpp caps -b at -c and -ub at -b: a small context shrinks the chunks
+            if self.n_ctx > 0
+                && self.n_ctx < self.n_ubatch
+                && h2o.memory_size() >= u64::from(self.n_ctx)
+            {
+                return bad(format!(
+                    "the context -c {} caps the chunk size -ub {} at {}, which must be larger than the \
+                     H2O memory M = --h2o-local {} + --h2o-heavy {} = {}: raise -c or lower L/H",
+                    self.n_ctx,
+                    self.n_ubatch,
+                    self.n_ctx,
+                    h2o.local,
+                    h2o.heavy,
+                    h2o.memory_size()
+                ));
+            }
             if h2o.memory_size() >= u64::from(self.n_ubatch) {
                 return bad(format!(
                     "H2O memory M = --h2o-local {} + --h2o-heavy {} = {} must be smaller than the chunk size -ub {}: \
@@ -334,6 +351,16 @@ impl<'m> Session<'m> {
         })?;
         // SAFETY: valid context.
         let n_ctx = unsafe { sys::llama_n_ctx(ctx.as_ptr()) };
+        // llama.cpp caps n_batch at the requested n_ctx (and n_ubatch at n_batch); a batch
+        // larger than the capped n_batch would fail its assert, so batch by what is in effect.
+        let mut config = config;
+        // SAFETY: valid context.
+        (config.n_batch, config.n_ubatch) = unsafe {
+            (
+                sys::llama_n_batch(ctx.as_ptr()),
+                sys::llama_n_ubatch(ctx.as_ptr()),
+            )
+        };
         let batch = Batch::new(config.n_batch);
         Ok(Self {
             model,
@@ -354,7 +381,8 @@ impl<'m> Session<'m> {
         self.model
     }
 
-    /// The parameters this session was created with.
+    /// The parameters this session was created with, with `n_batch` and `n_ubatch` as llama.cpp
+    /// put them into effect (capped at the context size).
     #[must_use]
     pub fn config(&self) -> &SessionConfig {
         &self.config
@@ -588,6 +616,8 @@ impl<'m> Session<'m> {
         if total > self.n_ctx as usize {
             return Err(Error::PromptTooLong {
                 n_tokens: total,
+                n_prompt: tokens.len(),
+                n_predict: 0,
                 n_ctx: self.n_ctx,
                 n_ctx_train: self.model.n_ctx_train(),
             });
@@ -699,6 +729,8 @@ impl<'m> Session<'m> {
         if needed > self.n_ctx as usize {
             return Err(Error::PromptTooLong {
                 n_tokens: needed,
+                n_prompt: prompt.len(),
+                n_predict,
                 n_ctx: self.n_ctx,
                 n_ctx_train: self.model.n_ctx_train(),
             });

@@ -84,11 +84,21 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
     let not_gguf = dir.join("model.bin");
     std::fs::write(&not_gguf, b"PK\x03\x04 definitely not gguf").unwrap();
     let missing_prompt = dir.join("nope.txt");
-    let (latin1, not_gguf, missing_prompt) = (
+    let zero_bytes = dir.join("zero.gguf");
+    std::fs::write(&zero_bytes, b"").unwrap();
+    // a real GGUF cut short: the header parses, the tensor data is missing
+    let truncated = dir.join("truncated.gguf");
+    let model = std::fs::read(common::model_path()).unwrap();
+    std::fs::write(&truncated, &model[..4096]).unwrap();
+    let (latin1, not_gguf, missing_prompt, zero_bytes, truncated) = (
         latin1.to_str().unwrap(),
         not_gguf.to_str().unwrap(),
         missing_prompt.to_str().unwrap(),
+        zero_bytes.to_str().unwrap(),
+        truncated.to_str().unwrap(),
     );
+    // ~540 tokens: more than -c 256 holds
+    let long_prompt = "the quick brown fox jumps over the lazy dog ".repeat(60);
     let cases: &[(&[&str], i32, &str)] = &[
         (&["-p", "x", "-ub", "0"], 3, "-ub"),
         (&["-p", "x", "-b", "0"], 3, "-b"),
@@ -121,6 +131,23 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
         (&["-f", missing_prompt], 3, "cannot read prompt file"),
         (&["-f", latin1], 3, "not UTF-8"),
         (&["-m", not_gguf, "-p", "x"], 4, "not a GGUF"),
+        (&["-m", zero_bytes, "-p", "x"], 4, "empty"),
+        (&["-m", truncated, "-p", "x"], 4, "could not load the model"),
+        (&["-c", "256", "-p", &long_prompt], 3, "use a larger -c"),
+        (
+            &[
+                "-p",
+                "x",
+                "-c",
+                "64",
+                "--h2o-local",
+                "32",
+                "--h2o-heavy",
+                "32",
+            ],
+            3,
+            "-c 64 caps the chunk size -ub 512 at 64",
+        ),
         (
             &["-m", "/nonexistent/model.gguf", "-p", "x"],
             4,
@@ -139,6 +166,24 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// llama.cpp caps -b at -c (and -ub at -b) and rounds the context up to 256 cells: a prompt
+/// that fits the rounded context runs, in batches no larger than the cap.
+#[test]
+fn a_context_smaller_than_the_batch_caps_the_batch() {
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(20); // ~180 tokens
+    for extra in [
+        &[][..],
+        &["-ub", "64", "--h2o-local", "16", "--h2o-heavy", "16"][..],
+    ] {
+        let o = cli(&[&["-c", "64", "-p", &prompt, "-n", "2", "--json"][..], extra].concat());
+        let err = stderr(&o);
+        assert!(o.status.success(), "{extra:?}: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["n_batch"], 64, "{v}");
+        assert!(v["prompt_tokens"].as_u64().unwrap() > 64, "{v}");
+    }
 }
 
 #[test]
@@ -270,4 +315,56 @@ fn perplexity_scores_h2o_against_full_attention() {
         "perplexity {reported}, recomputed {ppl}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Ctrl-C during a long prefill: llama.cpp's abort callback stops the graph between nodes, so
+/// the process ends soon after the signal, with exit code 130 and a one-line message.
+#[test]
+fn ctrl_c_stops_a_long_prefill_promptly() {
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
+        .arg("-m")
+        .arg(common::model_path())
+        .args(["-t", "2", "-c", "8192", "-b", "4096", "-ub", "1024"])
+        .args(["--h2o-local", "256", "--h2o-heavy", "256"])
+        .args(["--synthetic-prompt", "8000", "-n", "4", "--temp", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The handler is installed first thing; by now the model is loaded and the prefill (tens
+    // of seconds for 8000 tokens on two cores) is under way.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "h2o-cli ended before the interrupt"
+    );
+    let sent = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let deadline = sent + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("h2o-cli still running 60 s after Ctrl-C");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stopped_after = sent.elapsed();
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted by Ctrl-C"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        o.stdout.is_empty(),
+        "nothing generated after an interrupted prefill"
+    );
+    eprintln!("stopped {stopped_after:?} after SIGINT");
 }

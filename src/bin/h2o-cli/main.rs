@@ -216,11 +216,20 @@ fn main() -> ExitCode {
     }
     let result = match &cli.command {
         Some(Command::Bench(args)) => bench::run(args, &interrupt),
-        Some(Command::Perplexity(args)) => perplexity::run(args, interrupt),
-        None => run(&cli, interrupt),
+        Some(Command::Perplexity(args)) => perplexity::run(args, interrupt.clone()),
+        None => run(&cli, interrupt.clone()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // A terminal's Ctrl-C also reaches our children (pip fetching the default model): when
+        // they fail after it, the interrupt is the cause, and the user should be told so.
+        Err(e) if interrupt.load(Ordering::SeqCst) => {
+            match e.downcast_ref::<Error>() {
+                Some(Error::Interrupted) => eprintln!("h2o-cli: interrupted by Ctrl-C"),
+                _ => eprintln!("h2o-cli: interrupted by Ctrl-C: {e:#}"),
+            }
+            ExitCode::from(exit::INTERRUPTED)
+        }
         Err(e) => {
             eprintln!("h2o-cli: error: {e:#}");
             ExitCode::from(exit_code(&e))
@@ -295,8 +304,10 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     }
 
     let model = load_model(cli.model.as_deref(), cli.n_gpu_layers, cli.json)?;
-    let mut session = Session::new(&model, config.clone())?;
+    let mut session = Session::new(&model, config)?;
     session.set_interrupt_flag(interrupt);
+    // -b and -ub as llama.cpp put them into effect (capped at -c)
+    let config = session.config().clone();
     let prompt = match cli.synthetic_prompt {
         Some(n) => demo::prompt_tokens(&model, n)?,
         None => model.tokenize(&prompt_text, true, true)?,
