@@ -231,8 +231,11 @@ fn bench_measures_both_engines_and_reports_the_ratio() {
             .output()
             .unwrap()
     };
-    let o = bench(&["--json"]);
+    let dir = common::scratch("bench-png");
+    let png = dir.join("bench.png");
+    let o = bench(&["--json", "--png", png.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
+    assert_png(&png, 960, 600);
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(report["baseline"].as_str().unwrap().contains("not stock"));
     let rows = report["rows"].as_array().unwrap();
@@ -253,6 +256,88 @@ fn bench_measures_both_engines_and_reports_the_ratio() {
     let o = bench(&["--stock-cli", "/nonexistent/h2o-cli"]);
     assert_eq!(o.status.code(), Some(3));
     assert!(stderr(&o).contains("--features stock"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A PNG file of the given size, with something drawn in it (not one flat colour).
+fn assert_png(path: &std::path::Path, width: u32, height: u32) {
+    let bytes = std::fs::read(path).unwrap();
+    assert!(
+        bytes.starts_with(b"\x89PNG\r\n\x1a\n"),
+        "{} is not a PNG",
+        path.display()
+    );
+    // IHDR: width and height, big-endian, right after the signature and the chunk header
+    let be = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+    assert_eq!((be(16), be(20)), (width, height));
+    // a blank image of this size compresses to well under 10 KB
+    assert!(
+        bytes.len() > 10_000,
+        "{} looks empty ({} bytes)",
+        path.display(),
+        bytes.len()
+    );
+}
+
+#[test]
+fn heavy_hitters_reports_selections_and_their_stability() {
+    let dir = common::scratch("heavy-hitters");
+    let png = dir.join("map.png");
+    let o = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
+        .arg("heavy-hitters")
+        .arg("-m")
+        .arg(common::model_path())
+        .args([
+            "-n",
+            "600",
+            "--ubatch-size",
+            "128",
+            "--h2o-local",
+            "16",
+            "--h2o-heavy",
+            "24",
+            "--json",
+            "--png",
+            png.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_png(&png, 1100, 860);
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["prompt_tokens"], 600);
+    // chunks 0..3 are complete: a memory set after each
+    assert_eq!(r["sets_per_head"], 4);
+    let model = common::model();
+    let layers = r["final_heavy"].as_array().unwrap();
+    assert_eq!(layers.len(), model.n_layer() as usize);
+    for heads in layers {
+        let heads = heads.as_array().unwrap();
+        assert_eq!(heads.len(), model.n_head() as usize);
+        for set in heads {
+            let p: Vec<u64> = set
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            // H heavy hitters, ascending, before the local window of the last complete chunk
+            assert_eq!(p.len(), 24, "{p:?}");
+            assert!(p.windows(2).all(|w| w[0] < w[1]), "{p:?}");
+            assert!(*p.last().unwrap() < 4 * 128 - 16, "{p:?}");
+        }
+    }
+    for key in [
+        "chunk_to_chunk_jaccard",
+        "run_to_run_jaccard_mean",
+        "run_to_run_jaccard_min",
+    ] {
+        let j = r[key].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&j), "{key} = {j}");
+    }
+    // the second run differs only in batching and thread count
+    assert!(r["run_to_run_jaccard_min"].as_f64().unwrap() > 0.9, "{r}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -261,17 +346,21 @@ fn perplexity_scores_h2o_against_full_attention() {
     let text_file = dir.join("ledger.txt");
     let text = h2o_llama::demo::prompt(40);
     std::fs::write(&text_file, &text).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
-        .arg("perplexity")
-        .arg("-m")
-        .arg(common::model_path())
-        .arg("-f")
-        .arg(&text_file)
-        .args(["-c", "512", "-b", "256", "--ubatch-size", "128"])
-        .args(["--h2o-local", "32", "--h2o-heavy", "32", "--chunks", "1"])
-        .args(["-t", "2", "--json"])
-        .output()
-        .unwrap();
+    let perplexity = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
+            .arg("perplexity")
+            .arg("-m")
+            .arg(common::model_path())
+            .arg("-f")
+            .arg(&text_file)
+            .args(["-c", "512", "-b", "256", "--ubatch-size", "128"])
+            .args(["--h2o-local", "32", "--h2o-heavy", "32", "--chunks", "1"])
+            .args(["-t", "2", "--json"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = perplexity(&[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(r["windows"], 1);
@@ -313,6 +402,37 @@ fn perplexity_scores_h2o_against_full_attention() {
     assert!(
         (ppl - reported).abs() / ppl < 1e-4,
         "perplexity {reported}, recomputed {ppl}"
+    );
+
+    // ablation: local-only, heavy-only at the same M, and the main shape again, against the
+    // same full attention; the main shape's figures are the same as without the ablation
+    let o = perplexity(&["--ablate", "64:0,0:64,32:32"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let a: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let shapes = a["shapes"].as_array().unwrap();
+    let lh: Vec<(u64, u64)> = shapes
+        .iter()
+        .map(|s| {
+            (
+                s["h2o"]["local"].as_u64().unwrap(),
+                s["h2o"]["heavy"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(lh, [(32, 32), (64, 0), (0, 64), (32, 32)]);
+    for k in [0, 3] {
+        assert_eq!(shapes[k]["second_half"], r["second_half"], "shape {k}");
+    }
+    assert_ne!(
+        shapes[1]["second_half"]["ppl_h2o"],
+        shapes[2]["second_half"]["ppl_h2o"]
+    );
+    let o = perplexity(&["--ablate", "64"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("write an H2O shape as L:H"),
+        "{}",
+        stderr(&o)
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -51,6 +51,9 @@ pub struct BenchArgs {
     /// Print one JSON document instead of the markdown table
     #[arg(long)]
     json: bool,
+    /// Also draw prefill tok/s against N for both engines into this PNG file
+    #[arg(long, value_name = "FILE")]
+    png: Option<PathBuf>,
 }
 
 /// One engine at one prompt length: every repetition's figures.
@@ -93,6 +96,11 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
     }
     if let Some(&n) = args.n_prompt.iter().find(|&&n| n < 2) {
         bail!("--n-prompt {n}: a prompt needs at least 2 tokens");
+    }
+    if let Some(png) = &args.png {
+        // find out now, not after an hour of measuring
+        std::fs::write(png, b"")
+            .with_context(|| format!("--png {}: cannot write the chart there", png.display()))?;
     }
     if let Some(stock) = &args.stock_cli {
         if !stock.is_file() {
@@ -186,7 +194,38 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
     } else {
         print!("{}", markdown(&report));
     }
+    if let Some(png) = &args.png {
+        draw(png, &report)?;
+        if !args.json {
+            eprintln!("h2o-cli bench: chart written to {}", png.display());
+        }
+    }
     Ok(())
+}
+
+fn draw(png: &Path, r: &Report) -> Result<()> {
+    let spread = |v: &[f64]| crate::chart::Spread {
+        median: median(v),
+        min: v.iter().copied().fold(f64::INFINITY, f64::min),
+        max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    };
+    let points: Vec<crate::chart::ThroughputPoint> = r
+        .rows
+        .iter()
+        .map(|row| crate::chart::ThroughputPoint {
+            n_prompt: row.n_prompt,
+            baseline: spread(&row.baseline.tokens_per_second),
+            h2o: spread(&row.h2o.tokens_per_second),
+        })
+        .collect();
+    let model = Path::new(&r.model)
+        .file_stem()
+        .map_or_else(|| r.model.clone(), |f| f.to_string_lossy().into_owned());
+    let title = format!(
+        "prefill: {model}, -t {} -ub {}, L={} H={}, {} runs (median, min–max)",
+        r.threads, r.n_ubatch, r.h2o_local, r.h2o_heavy, r.repetitions
+    );
+    crate::chart::throughput(png, &title, r.baseline_short, &points)
 }
 
 #[derive(Clone, Copy, PartialEq)]

@@ -16,6 +16,8 @@ use h2o_llama::{
 
 /// Exit codes (documented in README): distinct per failure class.
 mod bench;
+mod chart;
+mod heavy_hitters;
 mod perplexity;
 
 mod exit {
@@ -152,6 +154,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Perplexity of H2O and of full attention on a text, and the KL divergence between them
     Perplexity(perplexity::PerplexityArgs),
+    /// Which tokens H2O keeps as heavy hitters, per layer and head, and how stable the choice is
+    HeavyHitters(heavy_hitters::HeavyHittersArgs),
 }
 
 /// llama.cpp spells some flags with a multi-letter single dash (`-ub`, `-fa`, `-ngl`), which
@@ -217,6 +221,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Some(Command::Bench(args)) => bench::run(args, &interrupt),
         Some(Command::Perplexity(args)) => perplexity::run(args, interrupt.clone()),
+        Some(Command::HeavyHitters(args)) => heavy_hitters::run(args, interrupt.clone()),
         None => run(&cli, interrupt.clone()),
     };
     match result {

@@ -54,6 +54,32 @@ pub struct PerplexityArgs {
     /// Print one JSON record instead of the table
     #[arg(long)]
     json: bool,
+    /// Ablation: also score these H2O shapes (L:H, comma-separated; e.g. 512:0,256:256,0:512
+    /// for local-only, the default split and heavy-only at the same M), against the same full
+    /// attention, and print one row per shape
+    #[arg(long, value_name = "L:H,..", value_delimiter = ',', value_parser = parse_shape)]
+    ablate: Vec<H2oConfig>,
+}
+
+fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
+    let (l, h) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: write an H2O shape as L:H, e.g. 256:256"))?;
+    let n = |v: &str| {
+        v.trim()
+            .parse::<u32>()
+            .map_err(|e| format!("{s:?}: {v:?} is not a token count ({e})"))
+    };
+    let shape = H2oConfig {
+        local: n(l)?,
+        heavy: n(h)?,
+    };
+    if !shape.is_enabled() {
+        return Err(format!(
+            "{s:?}: L = H = 0 is full attention, which is always scored"
+        ));
+    }
+    Ok(shape)
 }
 
 /// Negative log-likelihoods and distribution comparisons, per scored position.
@@ -80,6 +106,14 @@ struct Part {
     top1_agreement_percent: f64,
 }
 
+/// One H2O shape's scores against full attention.
+#[derive(Debug, serde::Serialize)]
+struct ShapeReport {
+    h2o: H2oConfig,
+    whole: Part,
+    second_half: Part,
+}
+
 #[derive(Debug, serde::Serialize)]
 struct Report {
     file: String,
@@ -93,6 +127,8 @@ struct Report {
     h2o: Option<H2oConfig>,
     whole: Part,
     second_half: Part,
+    /// with --ablate: every shape scored (the main one first), else empty
+    shapes: Vec<ShapeReport>,
 }
 
 pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
@@ -110,13 +146,18 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
         ..SessionConfig::default()
     };
-    let h2o_config = SessionConfig {
-        h2o: Some(h2o),
+    // the main shape first (unless L = H = 0), then the ablation's
+    let shapes: Vec<H2oConfig> = std::iter::once(h2o)
+        .filter(H2oConfig::is_enabled)
+        .chain(args.ablate.iter().copied())
+        .collect();
+    let shape_config = |shape: H2oConfig| SessionConfig {
+        h2o: Some(shape),
         ..base.clone()
     };
     base.validate()?;
-    if h2o.is_enabled() {
-        h2o_config.validate()?;
+    for &shape in &shapes {
+        shape_config(shape).validate()?;
     }
     let text = crate::read_text_file(&args.file, "text file")?;
     let model = crate::load_model(args.model.as_deref(), 0, args.json)?;
@@ -134,30 +175,31 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     if let Some(limit) = args.chunks {
         windows = windows.min(limit.max(1));
     }
-    let mut full = Session::new(&model, base)?;
+    let mut full = Session::new(&model, base.clone())?;
     full.set_interrupt_flag(interrupt.clone());
     // L = H = 0: full attention only (how the stock build, which has no H2O, takes part)
-    let mut sparse = h2o
-        .is_enabled()
-        .then(|| Session::new(&model, h2o_config))
-        .transpose()?;
-    if let Some(s) = &mut sparse {
-        s.set_interrupt_flag(interrupt);
-    }
+    let mut sparse = shapes
+        .iter()
+        .map(|&shape| {
+            let mut s = Session::new(&model, shape_config(shape))?;
+            s.set_interrupt_flag(interrupt.clone());
+            Ok(s)
+        })
+        .collect::<Result<Vec<_>>>()?;
     let bos = model.bos_token();
     let show_progress = !args.json && std::io::stderr().is_terminal();
 
-    let mut whole = Scores::default();
-    let mut second = Scores::default();
+    // per shape (or one, full attention against itself, when there is no shape)
+    let n_scored = shapes.len().max(1);
+    let mut whole: Vec<Scores> = (0..n_scored).map(|_| Scores::default()).collect();
+    let mut second: Vec<Scores> = (0..n_scored).map(|_| Scores::default()).collect();
     for w in 0..windows {
         let mut window: Vec<Token> = tokens[w * n_ctx..(w + 1) * n_ctx].to_vec();
         if let Some(bos) = bos {
             window[0] = bos;
         }
         full.reset();
-        if let Some(s) = &mut sparse {
-            s.reset();
-        }
+        sparse.iter_mut().for_each(Session::reset);
         let first_second_half = n_ctx / 2;
         for (start, piece) in window.chunks(args.batch_size as usize).scan(0, |s, p| {
             let start = *s;
@@ -173,7 +215,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             // full attention first, its log-probabilities kept for the call's tokens
             let mut log_probs: Vec<Vec<f32>> = Vec::with_capacity(piece.len());
             full.evaluate_with_logits(piece, |_, logits| log_probs.push(log_softmax(logits)))?;
-            let mut score = |i: usize, lp_h2o: &[f32]| {
+            let mut score = |k: usize, i: usize, lp_h2o: &[f32]| {
                 let pos = start + i;
                 let Some(&next) = window.get(pos + 1) else {
                     return; // the last token predicts beyond the window
@@ -187,8 +229,8 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
                     .sum();
                 let same = argmax(lp_full) == argmax(lp_h2o);
                 for scores in [
-                    Some(&mut whole),
-                    (pos >= first_second_half).then_some(&mut second),
+                    Some(&mut whole[k]),
+                    (pos >= first_second_half).then_some(&mut second[k]),
                 ]
                 .into_iter()
                 .flatten()
@@ -199,12 +241,12 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
                     scores.top1_same.push(same);
                 }
             };
-            match &mut sparse {
-                Some(s) => {
-                    s.evaluate_with_logits(piece, |i, logits| score(i, &log_softmax(logits)))?
-                }
+            for (k, s) in sparse.iter_mut().enumerate() {
+                s.evaluate_with_logits(piece, |i, logits| score(k, i, &log_softmax(logits)))?;
+            }
+            if sparse.is_empty() {
                 // no H2O: compare full attention with itself, which leaves only its perplexity
-                None => (0..piece.len()).for_each(|i| score(i, &log_probs[i])),
+                (0..piece.len()).for_each(|i| score(0, i, &log_probs[i]));
             }
         }
     }
@@ -219,9 +261,22 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_ctx: args.ctx_size,
         n_batch: args.batch_size,
         n_ubatch: args.shape.ubatch_size,
-        h2o: h2o.is_enabled().then_some(h2o),
-        whole: summarise(&whole),
-        second_half: summarise(&second),
+        h2o: shapes.first().copied(),
+        whole: summarise(&whole[0]),
+        second_half: summarise(&second[0]),
+        shapes: if args.ablate.is_empty() {
+            Vec::new()
+        } else {
+            shapes
+                .iter()
+                .zip(whole.iter().zip(&second))
+                .map(|(&h2o, (w, s))| ShapeReport {
+                    h2o,
+                    whole: summarise(w),
+                    second_half: summarise(s),
+                })
+                .collect()
+        },
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -285,6 +340,30 @@ fn table(r: &Report) -> String {
             None => "full attention only (H2O off)".into(),
         }
     );
+    if !r.shapes.is_empty() {
+        s.push_str(&format!(
+            "ablation, second half of each window ({} positions scored; full attention ppl {:.4})\n\n\
+             | L | H | M | ppl H2O | Δ ppl | KLD mean | KLD p99 | top-1 agreement | Δ ppl, whole window |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            r.second_half.positions, r.second_half.ppl_full
+        ));
+        for shape in &r.shapes {
+            let p = &shape.second_half;
+            s.push_str(&format!(
+                "| {} | {} | {} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.2} % | {:+.2} % |\n",
+                shape.h2o.local,
+                shape.h2o.heavy,
+                shape.h2o.memory_size(),
+                p.ppl_h2o,
+                p.delta_ppl_percent,
+                p.kld_mean,
+                p.kld_p99,
+                p.top1_agreement_percent,
+                shape.whole.delta_ppl_percent
+            ));
+        }
+        return s;
+    }
     if r.h2o.is_none() {
         s.push_str("| positions | scored | ppl |\n|---|---:|---:|\n");
         for (name, p) in [("whole window", &r.whole), ("second half", &r.second_half)] {

@@ -1,0 +1,293 @@
+//! PNG charts: prefill tok/s against prompt length (`bench --png`) and where the heavy hitters
+//! sit (`heavy-hitters --png`).
+//!
+//! Text is drawn with DejaVu Sans from the `dejavu` crate, registered with plotters at first
+//! use, so that charts render the same on a fresh machine that has no system fonts.
+
+use std::path::Path;
+use std::sync::Once;
+
+use anyhow::{anyhow, Context, Result};
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
+use plotters::prelude::*;
+
+const FONT: &str = "sans-serif";
+
+/// A linear f64 axis whose labels sit exactly at the given values (the measured prompt lengths,
+/// the first row of every fifth layer) rather than at plotters' round numbers.
+#[derive(Clone)]
+struct Ticks {
+    range: std::ops::Range<f64>,
+    at: Vec<f64>,
+}
+
+impl Ranged for Ticks {
+    type ValueType = f64;
+    type FormatOption = DefaultFormatting;
+
+    fn map(&self, v: &f64, limit: (i32, i32)) -> i32 {
+        let t = (v - self.range.start) / (self.range.end - self.range.start);
+        limit.0 + (t * f64::from(limit.1 - limit.0)).round() as i32
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, _hint: Hint) -> Vec<f64> {
+        self.at.clone()
+    }
+
+    fn range(&self) -> std::ops::Range<f64> {
+        self.range.clone()
+    }
+}
+
+fn register_font() -> Result<()> {
+    static ONCE: Once = Once::new();
+    let mut failed = false;
+    ONCE.call_once(|| {
+        failed = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular())
+            .is_err();
+    });
+    if failed {
+        return Err(anyhow!("the bundled DejaVu Sans font could not be loaded"));
+    }
+    Ok(())
+}
+
+/// Turns plotters' error (which borrows the backend's) into an owned one naming the file.
+fn drawing<T, E: std::fmt::Debug>(r: std::result::Result<T, E>, path: &Path) -> Result<T> {
+    r.map_err(|e| anyhow!("{e:?}"))
+        .with_context(|| format!("cannot draw the chart {}", path.display()))
+}
+
+/// One engine's tok/s at one prompt length: median and range.
+#[derive(Clone, Copy, Debug)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+/// One prompt length of a throughput chart.
+#[derive(Clone, Copy, Debug)]
+pub struct ThroughputPoint {
+    pub n_prompt: u32,
+    pub baseline: Spread,
+    pub h2o: Spread,
+}
+
+fn tokens_label(n: u32) -> String {
+    if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{}K", n / 1024)
+    } else {
+        n.to_string()
+    }
+}
+
+/// Prefill tok/s against N (log₂ axis) for the baseline and H2O, with min–max bars and the
+/// ratio of medians written above each H2O point.
+pub fn throughput(
+    path: &Path,
+    title: &str,
+    baseline_label: &str,
+    points: &[ThroughputPoint],
+) -> Result<()> {
+    register_font()?;
+    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
+    drawing(root.fill(&WHITE), path)?;
+    let log2 = |n: u32| f64::from(n).log2();
+    let x_lo = points
+        .iter()
+        .map(|p| log2(p.n_prompt))
+        .fold(f64::MAX, f64::min)
+        - 0.4;
+    let x_hi = points
+        .iter()
+        .map(|p| log2(p.n_prompt))
+        .fold(f64::MIN, f64::max)
+        + 0.4;
+    let y_hi = points
+        .iter()
+        .map(|p| p.baseline.max.max(p.h2o.max))
+        .fold(0.0, f64::max)
+        * 1.2;
+    let keys: Vec<f64> = points.iter().map(|p| log2(p.n_prompt)).collect();
+    let mut chart = drawing(
+        ChartBuilder::on(&root)
+            .caption(title, (FONT, 19))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                Ticks {
+                    range: x_lo..x_hi,
+                    at: keys,
+                },
+                0.0..y_hi,
+            ),
+        path,
+    )?;
+    drawing(
+        chart
+            .configure_mesh()
+            .x_desc("prompt length N (tokens, log scale)")
+            .y_desc("prefill tok/s")
+            .x_label_formatter(&|x| tokens_label(x.exp2().round() as u32))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .label_style((FONT, 15))
+            .axis_desc_style((FONT, 16))
+            .light_line_style(WHITE.mix(0.0))
+            .draw(),
+        path,
+    )?;
+    type Pick = fn(&ThroughputPoint) -> Spread;
+    let series: [(&str, RGBColor, Pick); 2] = [
+        (baseline_label, RGBColor(90, 90, 90), |p| p.baseline),
+        ("H2O", RGBColor(200, 60, 20), |p| p.h2o),
+    ];
+    for (label, color, spread) in series {
+        let line: Vec<(f64, f64)> = points
+            .iter()
+            .map(|p| (log2(p.n_prompt), spread(p).median))
+            .collect();
+        drawing(
+            chart.draw_series(LineSeries::new(line.clone(), color.stroke_width(3))),
+            path,
+        )?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+        drawing(
+            chart.draw_series(
+                line.iter()
+                    .map(|&(x, y)| Circle::new((x, y), 5, color.filled())),
+            ),
+            path,
+        )?;
+        drawing(
+            chart.draw_series(points.iter().map(|p| {
+                let s = spread(p);
+                ErrorBar::new_vertical(log2(p.n_prompt), s.min, s.median, s.max, color, 10)
+            })),
+            path,
+        )?;
+    }
+    drawing(
+        chart.draw_series(points.iter().map(|p| {
+            let ratio = p.h2o.median / p.baseline.median;
+            Text::new(
+                format!("{ratio:.2}×"),
+                (log2(p.n_prompt) - 0.12, p.h2o.max + y_hi * 0.04),
+                (FONT, 17).into_font().color(&RGBColor(200, 60, 20)),
+            )
+        })),
+        path,
+    )?;
+    drawing(
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font((FONT, 16))
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .draw(),
+        path,
+    )?;
+    drawing(root.present(), path)
+}
+
+/// How often each position was a heavy hitter: one row per (layer, head), one column per bin of
+/// positions; `counts[row][bin]` is the number of chunks whose memory set held a heavy hitter
+/// in that bin, out of `n_sets` sets per row.
+pub struct SelectionMap<'a> {
+    pub title: &'a str,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_positions: usize,
+    pub bin: usize,
+    pub counts: &'a [Vec<u32>],
+    pub n_sets: u32,
+}
+
+/// Draws a [`SelectionMap`]: darker = kept in more of the memory sets.
+pub fn selection_map(path: &Path, map: &SelectionMap<'_>) -> Result<()> {
+    register_font()?;
+    let n_rows = map.n_layer * map.n_head;
+    let root = BitMapBackend::new(path, (1100, 860)).into_drawing_area();
+    drawing(root.fill(&WHITE), path)?;
+    let mut chart = drawing(
+        ChartBuilder::on(&root)
+            .caption(map.title, (FONT, 20))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                0.0..map.n_positions as f64,
+                Ticks {
+                    range: 0.0..n_rows as f64,
+                    at: (0..map.n_layer)
+                        .step_by(5)
+                        .map(|l| (l * map.n_head) as f64)
+                        .collect(),
+                },
+            ),
+        path,
+    )?;
+    let n_head = map.n_head;
+    drawing(
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("token position")
+            .y_desc("layer (each layer is one row per query head)")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|r| format!("{}", *r as usize / n_head))
+            .label_style((FONT, 15))
+            .axis_desc_style((FONT, 16))
+            .draw(),
+        path,
+    )?;
+    let shade = |count: u32| {
+        // white → deep blue, by the share of memory sets that kept the position
+        let t = f64::from(count) / f64::from(map.n_sets.max(1));
+        let mix = |a: f64, b: f64| (a + (b - a) * t.sqrt()).round() as u8;
+        RGBColor(mix(235.0, 8.0), mix(240.0, 48.0), mix(250.0, 107.0))
+    };
+    drawing(
+        chart.draw_series(map.counts.iter().enumerate().flat_map(|(row, bins)| {
+            bins.iter()
+                .enumerate()
+                .filter(|(_, &c)| c > 0)
+                .map(move |(b, &c)| {
+                    let x0 = b * map.bin;
+                    let x1 = (x0 + map.bin).min(map.n_positions);
+                    Rectangle::new(
+                        [(x0 as f64, row as f64), (x1 as f64, (row + 1) as f64)],
+                        shade(c).filled(),
+                    )
+                })
+        })),
+        path,
+    )?;
+    // thin lines between layers
+    drawing(
+        chart.draw_series((1..map.n_layer).map(|l| {
+            let y = (l * map.n_head) as f64;
+            PathElement::new(
+                vec![(0.0, y), (map.n_positions as f64, y)],
+                RGBColor(200, 200, 200),
+            )
+        })),
+        path,
+    )?;
+    drawing(root.present(), path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_labels_read_like_llama_bench() {
+        assert_eq!(tokens_label(1024), "1K");
+        assert_eq!(tokens_label(16384), "16K");
+        assert_eq!(tokens_label(1000), "1000");
+    }
+}
