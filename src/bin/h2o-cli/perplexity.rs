@@ -160,7 +160,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         shape_config(shape).validate()?;
     }
     let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(args.model.as_deref(), 0, args.json)?;
+    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
     let tokens = model.tokenize(&text, true, false)?;
     let n_ctx = args.ctx_size as usize;
     let mut windows = tokens.len() / n_ctx;
