@@ -1,0 +1,79 @@
+//! The engine's own memory-set rule (`ggml_h2o_build_memory_set`, the code the CPU kernel and the
+//! KV cache run), callable on plain data, so that tests can hold it against
+//! [`crate::reference::build_memory_set`] on inputs no model would produce: ties, all-equal and
+//! extreme scores, odd chunk sizes, L or H of zero.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+use crate::reference::MemorySet;
+
+/// Builds `M_c` after the chunk `chunk` the way the engine does. `scores` holds the BF16 score of
+/// every position (bits, index = position); `previous` is `M_{c-1}` (L + H slots) or `None` for
+/// the first chunk.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] when the inputs are not a state the engine can be in: L + H = 0,
+/// the chunk beyond the scores, a previous set of the wrong size or with positions outside
+/// `0..chunk.start` (the engine itself only ever hands it valid ones).
+#[cfg(not(feature = "stock"))]
+pub fn engine_build_memory_set(
+    scores: &[u16],
+    previous: Option<&MemorySet>,
+    local: usize,
+    heavy: usize,
+    chunk: Range<usize>,
+) -> Result<MemorySet> {
+    let bad = |m: String| Err(Error::InvalidConfig(m));
+    let m = local + heavy;
+    if m == 0 || i32::try_from(m).is_err() {
+        return bad(format!(
+            "L + H = {m}: the memory needs 1 ..= i32::MAX slots"
+        ));
+    }
+    if chunk.start > chunk.end || chunk.end > scores.len() || i32::try_from(chunk.end).is_err() {
+        return bad(format!(
+            "chunk {chunk:?} is not inside the {} scored positions",
+            scores.len()
+        ));
+    }
+    let mut slots = vec![-1i32; m];
+    if let Some(prev) = previous {
+        if prev.slots.len() != m {
+            return bad(format!(
+                "the previous memory set has {} slots, not L + H = {m}",
+                prev.slots.len()
+            ));
+        }
+        if let Some(&p) = prev
+            .slots
+            .iter()
+            .find(|&&p| p < -1 || (p >= 0 && p as usize >= chunk.start))
+        {
+            return bad(format!(
+                "the previous memory set holds {p}, outside 0..{} (or -1)",
+                chunk.start
+            ));
+        }
+        slots.copy_from_slice(&prev.slots);
+    }
+    let bf16: Vec<crate::sys::ggml_bf16_t> = scores
+        .iter()
+        .map(|&bits| crate::sys::ggml_bf16_t { bits })
+        .collect();
+    // SAFETY: every position the rule reads is below chunk.end <= scores.len() (the chunk's own)
+    // or a previous slot checked above to be below chunk.start; `slots` has the L + H entries it
+    // writes. The sizes fit i32 (checked).
+    unsafe {
+        crate::sys::ggml_h2o_build_memory_set(
+            bf16.as_ptr(),
+            slots.as_mut_ptr(),
+            local as i32,
+            heavy as i32,
+            chunk.start as i32,
+            chunk.end as i32,
+            previous.is_some(),
+        );
+    }
+    Ok(MemorySet { slots })
+}
