@@ -1,6 +1,7 @@
-//! The C++ tests of the H2O state in `llama_kv_cache` (seed 001's 11 metrics, the GQA gathers,
-//! reset, and the C API's validation and introspection), built by build.rs against the patched
-//! tree's internal headers and run here on the default model.
+//! The C++ test programs, built by build.rs against the patched tree's internal headers: the H2O
+//! state in `llama_kv_cache` (seed 001's 11 metrics, the GQA gathers, reset, and the C API's
+//! validation and introspection) on the default model, and the H2O attention op on GPU backends
+//! against the CPU.
 // The stock engine has no H2O, and the CUDA (cmake) build does not make the C++ test programs.
 #![cfg(not(any(feature = "stock", feature = "cuda")))]
 
@@ -26,4 +27,30 @@ fn kv_cache_h2o_state_cpp_tests() {
     );
     // every test reported, none failed
     assert!(stdout.contains("15 tests, 0 failed"), "{stdout}");
+}
+
+/// GGML_OP_H2O_ATTN on every GPU backend against the CPU backend (tests/cpp/test-h2o-backends.cpp).
+/// A CPU-only build has no GPU backend, and the program says it skipped; on a GPU machine it is
+/// run by `scripts/gpu-test.sh`.
+#[test]
+fn h2o_attention_backends_agree() {
+    let dir = env!("H2O_LLAMA_CPP_TESTS_DIR");
+    let exe = std::path::Path::new(dir).join("test-h2o-backends");
+    let out = Command::new(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "{} failed ({}):\n{stdout}\n{}",
+        exe.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(", 0 failed"), "{stdout}");
+    assert!(
+        stdout.contains("skipped: no GPU backend") || !stdout.contains("0 GPU backend(s)"),
+        "{stdout}"
+    );
 }

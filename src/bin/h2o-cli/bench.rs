@@ -36,6 +36,9 @@ pub struct BenchArgs {
     /// CPU threads
     #[arg(short = 't', long, default_value_t = 2)]
     threads: u32,
+    /// Layers to offload to the GPU (-ngl), with a CUDA build; passed to both engines
+    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
+    n_gpu_layers: i32,
     /// Logical batch (-b) [default: 4096, as in the design's command, or the prompt length if
     /// shorter; never below -ub]. H2O runs a logical batch as one graph, so its compute buffers
     /// grow with -b; -b equal to -ub keeps its peak memory at stock's
@@ -83,6 +86,7 @@ struct Report {
     /// "stock" or "full attention", for column headers
     baseline_short: &'static str,
     threads: u32,
+    n_gpu_layers: i32,
     n_ubatch: u32,
     h2o_local: u32,
     h2o_heavy: u32,
@@ -186,6 +190,7 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
             "full attention"
         },
         threads: args.threads,
+        n_gpu_layers: args.n_gpu_layers,
         n_ubatch: args.shape.ubatch_size,
         h2o_local: args.shape.h2o_local,
         h2o_heavy: args.shape.h2o_heavy,
@@ -287,6 +292,7 @@ fn measure(
         .args(["-b", &n_batch.to_string()])
         .args(["--ubatch-size", &args.shape.ubatch_size.to_string()])
         .args(["-t", &args.threads.to_string()])
+        .args(["--n-gpu-layers", &args.n_gpu_layers.to_string()])
         .args(["-n", "0", "--temp", "0", "--json"]);
     if engine == Engine::H2o {
         cmd.args(["--h2o-local", &args.shape.h2o_local.to_string()])
@@ -343,9 +349,16 @@ fn peak(v: &[u64]) -> String {
 
 fn markdown(r: &Report) -> String {
     let mut s = format!(
-        "model: {} | baseline: {} | -t {} -ub {} | H2O L = {} H = {} | {} repetitions, \
+        "model: {} | baseline: {} | -t {} -ngl {} -ub {} | H2O L = {} H = {} | {} repetitions, \
          tok/s as median (min–max)\n\n",
-        r.model, r.baseline, r.threads, r.n_ubatch, r.h2o_local, r.h2o_heavy, r.repetitions
+        r.model,
+        r.baseline,
+        r.threads,
+        r.n_gpu_layers,
+        r.n_ubatch,
+        r.h2o_local,
+        r.h2o_heavy,
+        r.repetitions
     );
     let b = r.baseline_short;
     s.push_str(&format!(
