@@ -5,7 +5,7 @@
 //! use, so that charts render the same on a fresh machine that has no system fonts.
 
 use std::path::Path;
-use std::sync::Once;
+use std::sync::OnceLock;
 
 use anyhow::{anyhow, Context, Result};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
@@ -40,13 +40,11 @@ impl Ranged for Ticks {
 }
 
 fn register_font() -> Result<()> {
-    static ONCE: Once = Once::new();
-    let mut failed = false;
-    ONCE.call_once(|| {
-        failed = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular())
-            .is_err();
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
     });
-    if failed {
+    if !ok {
         return Err(anyhow!("the bundled DejaVu Sans font could not be loaded"));
     }
     Ok(())
