@@ -48,7 +48,11 @@ pub fn model_path() -> PathBuf {
     cache_dir().join(FILE_NAME)
 }
 
-fn sha256_file(path: &Path) -> io::Result<String> {
+/// sha256 of a file, lowercase hex.
+///
+/// # Errors
+/// The file cannot be read.
+pub fn sha256_file(path: &Path) -> io::Result<String> {
     let mut f = File::open(path)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -181,7 +185,15 @@ fn run_pip(
         text
     });
     loop {
-        if let Some(status) = child.try_wait()? {
+        let done = match child.try_wait() {
+            Ok(done) => done,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
+        if let Some(status) = done {
             return Ok(Some((status, reader.join().unwrap_or_default())));
         }
         if interrupt.load(Ordering::Relaxed) {

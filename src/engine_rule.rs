@@ -16,7 +16,6 @@ use crate::reference::MemorySet;
 /// [`Error::InvalidConfig`] when the inputs are not a state the engine can be in: L + H = 0,
 /// the chunk beyond the scores, a previous set of the wrong size or with positions outside
 /// `0..chunk.start` (the engine itself only ever hands it valid ones).
-#[cfg(not(feature = "stock"))]
 pub fn engine_build_memory_set(
     scores: &[u16],
     previous: Option<&MemorySet>,

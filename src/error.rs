@@ -89,13 +89,13 @@ pub enum Error {
     #[error("the prompt is empty: give some text with -p or -f")]
     EmptyPrompt,
 
-    /// `n_tokens` = tokens already in the session + the prompt's `n_prompt` + `n_predict` to
-    /// generate.
-    #[error("{n_tokens} tokens do not fit in the context of {n_ctx} (prompt {n_prompt}, to generate \
-             {n_predict}, already in the session {}): use a larger -c (the model was trained with \
-             {n_ctx_train}), a shorter prompt or a smaller -n", .n_tokens - .n_prompt - .n_predict)]
+    /// The tokens already in the session (`n_past`), the prompt's and those to generate do not
+    /// fit in `n_ctx`.
+    #[error("{} tokens do not fit in the context of {n_ctx} (prompt {n_prompt}, to generate \
+             {n_predict}, already in the session {n_past}): use a larger -c (the model was trained \
+             with {n_ctx_train}), a shorter prompt or a smaller -n", .n_past + .n_prompt + .n_predict)]
     PromptTooLong {
-        n_tokens: usize,
+        n_past: usize,
         n_prompt: usize,
         n_predict: usize,
         n_ctx: u32,

@@ -30,6 +30,7 @@ mod backend;
 pub mod capture;
 pub mod default_model;
 pub mod demo;
+#[cfg(not(feature = "stock"))]
 pub mod engine_rule;
 mod error;
 mod model;

