@@ -121,9 +121,11 @@ fn one_session_serves_fifty_prompts_like_fresh_sessions_with_flat_memory() {
         mib(peak_after),
         mib(rss[PROMPTS - 1])
     );
-    // a leak of even a few KiB per prompt would add up to more than this over the rest
+    // Flat here to the page (184.0 MiB from prompt 6 on). The slack is one transparent huge
+    // page (2 MiB) and some, for machines that back the heap with them; a leak of more than
+    // about 80 KiB per prompt over the remaining 37 still fails it.
     assert!(
-        peak_after <= settled + 1024 * 1024,
+        peak_after <= settled + 3 * 1024 * 1024,
         "resident memory grew from {:.1} MiB after prompt {warm_up} to {:.1} MiB: {:?}",
         mib(settled),
         mib(peak_after),
