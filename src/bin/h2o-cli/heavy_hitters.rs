@@ -203,7 +203,10 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         }
         previous = Some(sets);
     }
-    let final_a = heavy_sets(&a, h2o.local)?;
+    // a partial last chunk builds no set: the sets read after the last complete chunk are final
+    let Some(final_a) = previous else {
+        bail!("no complete chunk was prefilled");
+    };
     drop(a);
 
     // Run B: the whole prompt in one call, on another thread count.
