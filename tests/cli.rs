@@ -205,9 +205,16 @@ fn h2o_prefill_runs_end_to_end() {
         "--h2o-heavy",
         "64",
         "--json",
+        "-v",
     ]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(0), "{err}");
+    // llama.cpp checked that the scheduler runs each layer's H2O op where its state lives, and
+    // says where that is (all 30 layers on the CPU here; on a GPU build with -ngl 99, CUDA0 30)
+    assert!(
+        err.contains("H2O attention ops: 30, each on the backend holding its state (CPU 30)"),
+        "{err}"
+    );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let chunks = v["chunks"].as_u64().unwrap();
     assert!(chunks >= 2, "{v}");
