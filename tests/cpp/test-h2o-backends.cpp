@@ -1,10 +1,13 @@
 // GGML_OP_H2O_ATTN on every GPU backend against the CPU backend, in the manner of llama.cpp's
-// test-backend-ops (which the pinned source does not ship): the same inputs and state go to both, the op
-// runs as one call over several chunks and as two calls that split a chunk, and the outputs, the BF16
-// scores and the memory sets are compared after every call. A backend that does not support the op
-// fails the test: the scheduler would otherwise run it on the CPU without a word.
+// test-backend-ops (which the pinned source does not ship): the same inputs and state go to both, and the
+// op runs as one call over several chunks, as two calls that split a chunk, as a prefill after decode
+// completed two chunks (the op settles and builds them lazily) and as a call starting on a chunk boundary.
+// The outputs, the BF16 scores and the memory sets are compared after every call. A backend that does not
+// support the op fails the test: the scheduler would otherwise run it on the CPU without a word.
 //
-//   test-h2o-backends            # exit 0; prints "skipped" when there is no GPU backend
+//   test-h2o-backends            # exit 0 when every GPU backend agrees with the CPU; with no GPU
+//                                # backend it runs the cases on a 3-thread CPU backend instead and
+//                                # prints "skipped" for the GPU comparison
 //
 // Tolerances: the GPU sums in another order, so outputs may differ by float rounding (checked to
 // 1e-3 · max|V|) and scores by a BF16 rounding step (2^-7 relative). Memory sets are the same rule over
@@ -14,6 +17,7 @@
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
+#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -109,7 +113,8 @@ call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const
 }
 
 // compares one call's results; returns false when the backend cannot run the op
-bool compare(const char * what, const char * name, const call_result & ref, const call_result & got, const shape & sh, float max_v) {
+// (exact: bit-identical, for the CPU against itself on another thread count)
+bool compare(const char * what, const char * name, const call_result & ref, const call_result & got, const shape & sh, float max_v, bool exact) {
     if (!got.supported) {
         CHECK(false, "%s: %s does not support GGML_OP_H2O_ATTN: the scheduler would run it on the CPU", what, name);
         return false;
@@ -137,8 +142,63 @@ bool compare(const char * what, const char * name, const call_result & ref, cons
         }
     }
     CHECK(n_diff <= (int) (sh.n_head*M/50), "%s: %s memory sets differ in %d of %d slots", what, name, n_diff, (int) (sh.n_head*M));
+    CHECK(!exact || (max_out == 0.0f && max_rel == 0.0f && n_diff == 0), "%s: %s is not bit-identical to the reference", what, name);
     std::printf("     %s on %s: max |Δout| %.3g, max score Δ %.3g relative, %d memory slots differ\n", what, name, max_out, max_rel, n_diff);
     return true;
+}
+
+// every case on one backend against the CPU reference (the same inputs, fresh state each case)
+void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh,
+        const std::vector<float> & q, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v, float max_v, bool exact) {
+    const int32_t S = sh.S;
+
+    // one call over four chunks (three complete, 40 tokens of the fourth)
+    {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        const int32_t n = 3*S + 40;
+        compare("one call, 3S + 40 tokens", name,
+                run_call(cpu, ref_st, sh, q, 0, n, -1, -1), run_call(other, got_st, sh, q, 0, n, -1, -1), sh, max_v, exact);
+    }
+    // two calls that split chunk 0 and end inside chunk 2: the partial sums carry over
+    {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        const int32_t n1 = 100;
+        const int32_t n2 = 2*S + 40 - n1;
+        if (compare("call 1 of 2, 100 tokens", name,
+                    run_call(cpu, ref_st, sh, q, 0, n1, -1, -1), run_call(other, got_st, sh, q, 0, n1, -1, -1), sh, max_v, exact)) {
+            // after call 1: no memory set yet, chunk 0's sums in progress
+            compare("call 2 of 2, continuing chunk 0", name,
+                    run_call(cpu, ref_st, sh, q, n1, n2, -1, 0), run_call(other, got_st, sh, q, n1, n2, -1, 0), sh, max_v, exact);
+        }
+    }
+    // chunks completed by decode: a prefill of 100 tokens, then decode (full attention, outside the op)
+    // runs on to position 2S + 10, and the next prefill starts there. That call must first settle chunk
+    // 0's partial sums and build M_0, then build M_1 from M_0 and chunk 1 (whose tokens have no sums),
+    // and only then attend
+    {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        const int32_t n1 = 100;
+        const int32_t p2 = 2*S + 10;
+        if (compare("prefill of 100 tokens before decode", name,
+                    run_call(cpu, ref_st, sh, q, 0, n1, -1, -1), run_call(other, got_st, sh, q, 0, n1, -1, -1), sh, max_v, exact)) {
+            compare("prefill after decode completed chunks 0 and 1", name,
+                    run_call(cpu, ref_st, sh, q, p2, 50, -1, 0), run_call(other, got_st, sh, q, p2, 50, -1, 0), sh, max_v, exact);
+        }
+    }
+    // a prefill that starts on a chunk boundary: the first call completes chunk 0, settles it and builds
+    // M_0 (the bookkeeping then says mem_chunk 0, acc_chunk -1), and the next call attends to M_0
+    {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        if (compare("chunk 0 in one call", name,
+                    run_call(cpu, ref_st, sh, q, 0, S, -1, -1), run_call(other, got_st, sh, q, 0, S, -1, -1), sh, max_v, exact)) {
+            compare("chunk 1 in the next call", name,
+                    run_call(cpu, ref_st, sh, q, S, S + 7, 0, -1), run_call(other, got_st, sh, q, S, S + 7, 0, -1), sh, max_v, exact);
+        }
+    }
 }
 
 } // namespace
@@ -149,8 +209,8 @@ int main() {
 
     std::mt19937 rng(42);
     std::normal_distribution<float> nd(0.0f, 1.0f);
-    const int32_t n_tokens = 3*sh.S + 40;
-    std::vector<float> q((size_t) n_tokens*sh.n_head*sh.D);
+    const int32_t n_positions = 3*sh.S + 40;
+    std::vector<float> q((size_t) n_positions*sh.n_head*sh.D);
     std::vector<ggml_fp16_t> kv_k((size_t) sh.kv_size*sh.n_head_kv*sh.D);
     std::vector<ggml_fp16_t> kv_v(kv_k.size());
     float max_v = 0.0f;
@@ -158,11 +218,13 @@ int main() {
     for (auto & x : kv_k) { x = ggml_fp32_to_fp16(nd(rng)); }
     for (auto & x : kv_v) { const float f = nd(rng); x = ggml_fp32_to_fp16(f); max_v = std::max(max_v, std::fabs(f)); }
 
+    // the reference: the CPU backend on one thread
     ggml_backend_t cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     CHECK(cpu != nullptr, "no CPU backend");
     if (cpu == nullptr) {
         return 1;
     }
+    ggml_backend_cpu_set_n_threads(cpu, 1);
 
     int n_gpu = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
@@ -174,36 +236,23 @@ int main() {
         ggml_backend_t gpu = ggml_backend_dev_init(dev, nullptr);
         const char * name = ggml_backend_dev_name(dev);
         std::printf("%s (%s)\n", name, ggml_backend_dev_description(dev));
-
-        // one call over four chunks (three complete, 40 tokens of the fourth)
-        {
-            state ref_st(cpu, sh, kv_k, kv_v);
-            state gpu_st(gpu, sh, kv_k, kv_v);
-            const call_result ref = run_call(cpu, ref_st, sh, q, 0, n_tokens, -1, -1);
-            const call_result got = run_call(gpu, gpu_st, sh, q, 0, n_tokens, -1, -1);
-            compare("one call, 3S + 40 tokens", name, ref, got, sh, max_v);
-        }
-        // two calls that split chunk 0 and end inside chunk 2: the partial sums carry over
-        {
-            state ref_st(cpu, sh, kv_k, kv_v);
-            state gpu_st(gpu, sh, kv_k, kv_v);
-            const int32_t n1 = 100;
-            const int32_t n2 = 2*sh.S + 40 - n1;
-            bool ok = compare("call 1 of 2, 100 tokens", name,
-                    run_call(cpu, ref_st, sh, q, 0, n1, -1, -1), run_call(gpu, gpu_st, sh, q, 0, n1, -1, -1), sh, max_v);
-            if (ok) {
-                // after call 1: no memory set yet, chunk 0's sums in progress
-                compare("call 2 of 2, continuing chunk 0", name,
-                        run_call(cpu, ref_st, sh, q, n1, n2, -1, 0), run_call(gpu, gpu_st, sh, q, n1, n2, -1, 0), sh, max_v);
-            }
-        }
+        run_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
         ggml_backend_free(gpu);
+    }
+
+    if (n_gpu == 0) {
+        // no GPU: run the same cases on the CPU with three threads against one, so that the cases and
+        // the comparisons are exercised. Heads are split across threads and each head's work is
+        // sequential, so here the results must be bit-identical
+        ggml_backend_t cpu3 = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+        ggml_backend_cpu_set_n_threads(cpu3, 3);
+        std::printf("CPU, 3 threads (stands in for a GPU)\n");
+        run_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
+        ggml_backend_free(cpu3);
+        std::printf("skipped: no GPU backend in this build (build with --features cuda or scripts/gpu-test.sh)\n");
     }
     ggml_backend_free(cpu);
 
-    if (n_gpu == 0) {
-        std::printf("skipped: no GPU backend in this build (build with --features cuda or scripts/gpu-test.sh)\n");
-    }
     std::printf("%d GPU backend(s), %d failed\n", n_gpu, n_failed);
     return n_failed == 0 ? 0 : 1;
 }
