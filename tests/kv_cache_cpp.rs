@@ -1,7 +1,7 @@
 //! The C++ test programs, built by build.rs against the patched tree's internal headers: the H2O
 //! state in `llama_kv_cache` (seed 001's 11 metrics, the GQA gathers, reset, and the C API's
-//! validation and introspection) on the default model, and the H2O attention op on GPU backends
-//! against the CPU.
+//! validation and introspection) on the default model, the H2O attention op on GPU backends
+//! against the CPU, and the whole H2O prefill with the layers offloaded against the CPU.
 // The stock engine has no H2O, and the CUDA (cmake) build does not make the C++ test programs.
 #![cfg(not(any(feature = "stock", feature = "cuda")))]
 
@@ -60,4 +60,42 @@ fn h2o_attention_backends_agree() {
         assert!(stdout.contains("CPU, 3 threads"), "{stdout}");
         assert_eq!(n_compared, 7, "{stdout}");
     }
+}
+
+/// The H2O prefill end to end with the layers offloaded against the CPU (tests/cpp/test-h2o-offload.cpp):
+/// placement of the H2O ops, logits and memory sets, and N <= S against full attention. A CPU-only
+/// build runs the offloaded side on the CPU with another thread count, bit-identical; on a GPU
+/// machine `scripts/gpu-test.sh` runs it with the model.
+#[test]
+fn h2o_prefill_offloaded_agrees_with_the_cpu() {
+    let dir = env!("H2O_LLAMA_CPP_TESTS_DIR");
+    let exe = std::path::Path::new(dir).join("test-h2o-offload");
+    let out = Command::new(&exe)
+        .arg(common::model_path())
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "{} failed ({}):\n{stdout}\n{}",
+        exe.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(", 0 failed"), "{stdout}");
+    // every check reported: placement of both runs, the distributions, the memory sets and N <= S
+    // on both placements
+    assert_eq!(
+        stdout
+            .matches("each on the backend holding its state")
+            .count(),
+        2,
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("memory sets, offloaded vs CPU: 270 of 270 identical"),
+        "{stdout}"
+    );
+    assert_eq!(stdout.matches("N <= S on ").count(), 2, "{stdout}");
 }
