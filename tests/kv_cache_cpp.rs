@@ -55,7 +55,7 @@ fn h2o_attention_backends_agree() {
     assert_eq!(skipped, stdout.contains("\n0 GPU backend(s)"), "{stdout}");
     // every case compared on every backend (the stand-in CPU one included): 7 comparisons each
     let n_compared = stdout.matches(" memory slots differ").count();
-    assert!(n_compared >= 7 && n_compared % 7 == 0, "{stdout}");
+    assert!(n_compared >= 7 && n_compared.is_multiple_of(7), "{stdout}");
     if skipped {
         assert!(stdout.contains("CPU, 3 threads"), "{stdout}");
         assert_eq!(n_compared, 7, "{stdout}");
