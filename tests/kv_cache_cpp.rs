@@ -9,22 +9,32 @@ mod common;
 
 use std::process::Command;
 
-#[test]
-fn kv_cache_h2o_state_cpp_tests() {
-    let dir = env!("H2O_LLAMA_CPP_TESTS_DIR");
-    let exe = std::path::Path::new(dir).join("test-h2o-kv-cache");
-    let out = Command::new(&exe)
-        .arg(common::model_path())
+/// Runs the C++ test program `name` (with the default model as its argument when `with_model`),
+/// echoes its output, asserts that it succeeded, and returns its stdout.
+fn run_cpp_test(name: &str, with_model: bool) -> String {
+    let exe = std::path::Path::new(env!("H2O_LLAMA_CPP_TESTS_DIR")).join(name);
+    let mut cmd = Command::new(&exe);
+    if with_model {
+        cmd.arg(common::model_path());
+    }
+    let out = cmd
         .output()
         .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     println!("{stdout}");
     assert!(
         out.status.success(),
-        "C++ tests failed ({}):\n{stdout}\n{stderr}",
-        out.status
+        "{} failed ({}):\n{stdout}\n{}",
+        exe.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
     );
+    stdout
+}
+
+#[test]
+fn kv_cache_h2o_state_cpp_tests() {
+    let stdout = run_cpp_test("test-h2o-kv-cache", true);
     // every test reported, none failed
     assert!(stdout.contains("15 tests, 0 failed"), "{stdout}");
 }
@@ -35,20 +45,7 @@ fn kv_cache_h2o_state_cpp_tests() {
 /// a GPU machine it is run by `scripts/gpu-test.sh`.
 #[test]
 fn h2o_attention_backends_agree() {
-    let dir = env!("H2O_LLAMA_CPP_TESTS_DIR");
-    let exe = std::path::Path::new(dir).join("test-h2o-backends");
-    let out = Command::new(&exe)
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "{} failed ({}):\n{stdout}\n{}",
-        exe.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_cpp_test("test-h2o-backends", false);
     assert!(stdout.contains(", 0 failed"), "{stdout}");
     // it skips exactly when the build has no GPU backend
     let skipped = stdout.contains("skipped: no GPU backend");
@@ -68,21 +65,7 @@ fn h2o_attention_backends_agree() {
 /// machine `scripts/gpu-test.sh` runs it with the model.
 #[test]
 fn h2o_prefill_offloaded_agrees_with_the_cpu() {
-    let dir = env!("H2O_LLAMA_CPP_TESTS_DIR");
-    let exe = std::path::Path::new(dir).join("test-h2o-offload");
-    let out = Command::new(&exe)
-        .arg(common::model_path())
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "{} failed ({}):\n{stdout}\n{}",
-        exe.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_cpp_test("test-h2o-offload", true);
     assert!(stdout.contains(", 0 failed"), "{stdout}");
     // every check reported: placement of both runs, the distributions, the memory sets and N <= S
     // on both placements
