@@ -60,7 +60,8 @@ fn h2o_attention_backends_agree() {
 }
 
 /// The H2O prefill end to end with the layers offloaded against the CPU (tests/cpp/test-h2o-offload.cpp):
-/// placement of the H2O ops, logits and memory sets, and N <= S against full attention. A CPU-only
+/// placement of the H2O ops, logits and memory sets (unforced, and forced equal after each chunk with
+/// the near-tie bound on every difference), and N <= S against full attention. A CPU-only
 /// build runs the offloaded side on the CPU with another thread count, bit-identical; on a GPU
 /// machine `scripts/gpu-test.sh` runs it with the model.
 #[test]
@@ -80,5 +81,67 @@ fn h2o_prefill_offloaded_agrees_with_the_cpu() {
         stdout.contains("memory sets, offloaded vs CPU: 270 of 270 identical"),
         "{stdout}"
     );
+    // the chunk-by-chunk prefill with the offloaded memory sets forced to the CPU's after each of its 4
+    // calls: on the CPU stand-in nothing differs, so forcing is a no-op and no slot is swapped
+    assert!(
+        stdout.contains(
+            "memory sets, offloaded vs CPU (forced after each call): 0 of 1080 differ (4 calls), \
+             0 slots swapped, max score delta 0, near-tie bound held"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("Local slots equal, top-H rule held on both"), "{stdout}");
+    assert!(
+        stdout.contains("next-token KL offloaded vs CPU: H2O unforced 0, H2O forced 0 (bound "),
+        "{stdout}"
+    );
     assert_eq!(stdout.matches("N <= S on ").count(), 2, "{stdout}");
+}
+
+/// The prefill speed harness for GPU machines (tests/cpp/bench-h2o-prefill.cpp), smoke-tested on the
+/// CPU: one short length, one repetition; its JSON has one row with both medians positive, and bad
+/// input exits with code 2.
+#[test]
+fn bench_h2o_prefill_runs_on_the_cpu() {
+    let exe = std::path::Path::new(env!("H2O_LLAMA_CPP_TESTS_DIR")).join("bench-h2o-prefill");
+    let json = common::scratch("bench-h2o-prefill").join("bench.json");
+    let out = Command::new(&exe)
+        .arg(common::model_path())
+        .args("-p 512 -r 1 -b 1024 -ub 256 --h2o-local 64 --h2o-heavy 64 -t 2 -ngl 0".split(' '))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "{} failed ({}):\n{stdout}\n{}",
+        exe.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("\n| 512 | "), "{stdout}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["device"], "CPU", "{v}");
+    assert_eq!(v["h2o_local"], 64, "{v}");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{v}");
+    assert_eq!(rows[0]["n"], 512, "{v}");
+    for key in ["stock_median", "h2o_median", "ratio"] {
+        assert!(rows[0][key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    assert_eq!(rows[0]["h2o_tps"].as_array().unwrap().len(), 1, "{v}");
+
+    // bad input: exit code 2 with a message, no crash
+    let model = common::model_path().display().to_string();
+    for args in [
+        vec!["/nonexistent/model.gguf".to_string()],
+        vec![model.clone(), "-p".into(), "12x".into()],
+        vec![model.clone(), "-p".into(), "100000000".into()],
+    ] {
+        let out = Command::new(&exe).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert!(!out.stderr.is_empty(), "{args:?}");
+    }
 }
