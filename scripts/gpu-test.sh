@@ -1,85 +1,148 @@
 #!/usr/bin/env bash
-# The GPU proof of the CUDA backend, for a machine with an NVIDIA GPU, nvcc and cmake but no Rust
-# (the `device` machines). Here (needs cargo):
+# The GPU proof and speed runs of the CUDA backend, for a machine with an NVIDIA GPU, nvcc and cmake but no
+# Rust (the `device` machines). Here (needs cargo, pip):
 #
-#   scripts/gpu-test.sh pack [MODEL]  # the patched llama.cpp and the C++ tests into
-#                                # target/gpu/h2o-gpu-src.tar.gz (~6 MB), and the default model in
-#                                # two halves, target/gpu/model.gguf.part-aa and -ab (47 MB each, so
-#                                # that each fits one 64 MiB transfer), with its sha256
+#   scripts/gpu-test.sh pack [MODEL]  # into target/gpu/: the patched llama.cpp, the C++ tests and harnesses
+#                                # and the synthetic-model script (h2o-gpu-src.tar.gz, ~6 MB); the default
+#                                # model in two halves (model.gguf.part-aa/-ab, 47 MB each, so that each fits
+#                                # one 64 MiB transfer) with its sha256; the default model's tokenizer as a
+#                                # vocab-only GGUF (vocab.gguf, 1.7 MB); the gguf package's wheel
 #
-# There:
+# There (each step keeps what it made, and every file it was carried, in $TMPDIR/h2o-gpu, so that a later
+# call of the same warm machine needs to carry only what it adds):
 #
-#   scripts/gpu-test.sh build    # cmake: llama.cpp + ggml with CUDA for the native GPU (all cores),
-#                                # and the three test programs; kept in $TMPDIR/h2o-gpu, so a second
-#                                # call only relinks
-#   scripts/gpu-test.sh run      # build if needed, then run
+#   scripts/gpu-test.sh kernels  # nvcc alone, ~10 s: tests/cpp/bench-h2o-cuda-op.cu, the H2O kernels against
+#                                # each other and the memory-set rule, and their time per layer-chunk
+#   scripts/gpu-test.sh build    # cmake: llama.cpp + ggml with CUDA for the native GPU (all cores, ~5 min on
+#                                # 16), the three test programs and the prefill bench
+#   scripts/gpu-test.sh run      # build if needed, then
 #        test-h2o-backends       #   GGML_OP_H2O_ATTN on CUDA against the CPU backend, op by op
-#                                #   (outputs, BF16 scores, memory sets); fails when the GPU backend
-#                                #   does not support the op
-#        test-h2o-offload MODEL  #   the H2O prefill with -ngl 99 against the CPU: every H2O op on the
-#                                #   GPU, logits and memory sets, and N <= S against full attention
+#        test-h2o-offload MODEL  #   the H2O prefill with -ngl 99 against the CPU: placement, logits, memory
+#                                #   sets (forced equal call by call, and the near-tie bound), N <= S
 #        test-h2o-kv-cache MODEL #   the H2O state tests
-#      MODEL is $H2O_MODEL, or target/gpu/model.gguf assembled from the two parts (sha256 checked);
-#      without either, the two model tests are skipped and the run fails.
+#      MODEL is $H2O_MODEL, or the default model assembled from its two halves (sha256 checked)
+#   scripts/gpu-test.sh bench SHAPE[:LAYERS] LENGTHS [OUT.json]
+#                                # prefill speed and GPU memory, H2O against stock (H2O off, the same build),
+#                                # -b 4096 -ub 1024, L = H = 256, -ngl 99, medians of 3: SHAPE is `default`
+#                                # (the default model) or a synthetic shape of scripts/synthetic-model.py
+#                                # (qwen2.5-1.5b, llama-3-8b; random F16 weights, made there in a minute)
 #
-# With the device tool (each call carries at most 64 MiB, and files stay while the machine is warm):
-#   run(command="bash scripts/gpu-test.sh build", carry=["target/gpu/h2o-gpu-src.tar.gz", "target/gpu/model.gguf.part-aa", "target/gpu/model.gguf.sha256"])
-#   run(command="bash scripts/gpu-test.sh run", carry=["target/gpu/model.gguf.part-ab"])
-# Where Rust is available with the GPU, the end-to-end checks are the Rust tests and
-# `h2o-cli bench -ngl 99` of a `cargo build --release --features cuda` build (README, CUDA).
+# With the device tool (each call carries at most 64 MiB; files stay in /tmp only while calls follow each
+# other within 30 s; README, "CUDA", has the figures these calls made):
+#   run(command="bash scripts/gpu-test.sh kernels && bash scripts/gpu-test.sh build && bash scripts/gpu-test.sh bench qwen2.5-1.5b 1024,4096,8192,16384,32768,65536,131072 $OUT/qwen2.5-1.5b.json",
+#       carry=["target/gpu"])   # after `pack`, target/gpu holds all but model.gguf.part-ab (kept aside by pack)
+#   run(command="bash scripts/gpu-test.sh run && bash scripts/gpu-test.sh bench llama-3-8b:8 ... && ...",
+#       carry=["target/gpu-b"]) # the second half of the default model
+# Where Rust is available with the GPU, the end-to-end checks are the Rust tests and `h2o-cli bench -ngl 99`
+# of a `cargo build --release --features cuda` build (README, CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 target="${CARGO_TARGET_DIR:-target}"
-tarball_default="$target/gpu/h2o-gpu-src.tar.gz"
+gpu="$target/gpu"
+work="${TMPDIR:-/tmp}/h2o-gpu"
+
+# a carried file, or the copy an earlier call of this machine kept in $work
+carried() {
+    local name=$1
+    if [ -f "$gpu/$name" ]; then
+        mkdir -p "$work/carried"
+        [ "$gpu/$name" -ef "$work/carried/$name" ] || cp -p "$gpu/$name" "$work/carried/$name"
+    fi
+    [ -f "$work/carried/$name" ] && echo "$work/carried/$name"
+}
+for half in aa ab; do
+    if [ -f "$target/gpu-b/model.gguf.part-$half" ]; then
+        mkdir -p "$work/carried" && cp -p "$target/gpu-b/model.gguf.part-$half" "$work/carried/"
+    fi
+done
+
+default_model() {
+    local aa ab sums
+    aa=$(carried model.gguf.part-aa || true)
+    ab=$(carried model.gguf.part-ab || true)
+    sums=$(carried model.gguf.sha256 || true)
+    if [ -n "${H2O_MODEL:-}" ]; then
+        echo "$H2O_MODEL"
+    elif [ -n "$aa" ] && [ -n "$ab" ] && [ -n "$sums" ]; then
+        if [ ! -f "$work/model.gguf" ]; then
+            cat "$aa" "$ab" > "$work/model.gguf.tmp"
+            (cd "$work" && mv model.gguf.tmp model.gguf && sha256sum -c "$sums" > /dev/null) \
+                || { rm -f "$work/model.gguf"; echo "gpu-test.sh: the assembled model does not match model.gguf.sha256: carry both halves from one 'pack'" >&2; exit 1; }
+        fi
+        echo "$work/model.gguf"
+    fi
+}
+
+unpack() {
+    local tarball stamp
+    tarball=$(carried h2o-gpu-src.tar.gz || true)
+    stamp="$work/unpacked"
+    [ -n "$tarball" ] || { echo "gpu-test.sh: h2o-gpu-src.tar.gz not found: run 'scripts/gpu-test.sh pack' here first and carry $gpu" >&2; exit 1; }
+    if [ ! -f "$stamp" ] || [ "$tarball" -nt "$stamp" ]; then
+        rm -rf "$work/src" "$work/build" "$work/bin"
+        mkdir -p "$work/src" "$work/bin"
+        tar xzf "$tarball" -C "$work/src"
+        touch "$stamp"
+    fi
+}
 
 case "${1:-}" in
 pack)
-    tree="$target/gpu/llama.cpp"
+    tree="$gpu/llama.cpp"
     rm -rf "$tree"
-    mkdir -p "$target/gpu"
+    mkdir -p "$gpu" "$target/gpu-b"
     scripts/patches.sh apply "$tree" > /dev/null
     mkdir -p "$tree/h2o-tests"
-    cp tests/cpp/*.cpp "$tree/h2o-tests/"
-    tar czf "$tarball_default" -C "$tree" --exclude=.git \
+    cp tests/cpp/*.cpp tests/cpp/*.cu scripts/synthetic-model.py "$tree/h2o-tests/"
+    tar czf "$gpu/h2o-gpu-src.tar.gz" -C "$tree" --exclude=.git \
         CMakeLists.txt cmake ggml src include vendor common h2o-tests
-    echo "packed $(du -h "$tarball_default" | cut -f1) into $tarball_default" >&2
-    # the default model (same lookup as src/default_model.rs; fetched by `cargo test` or h2o-cli),
-    # or $2, in two halves
+    rm -rf "$tree"
+    echo "packed $(du -h "$gpu/h2o-gpu-src.tar.gz" | cut -f1) into $gpu/h2o-gpu-src.tar.gz" >&2
+    # the default model (same lookup as src/default_model.rs; fetched by `cargo test` or h2o-cli), or $2, in two
+    # halves: the first travels with the first call (in target/gpu), the second with the next (target/gpu-b)
     cache="${H2O_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/h2o-llama}"
     model="${2:-$cache/SmolLM2-135M-Instruct.Q4_1.gguf}"
     [ -f "$model" ] || { echo "gpu-test.sh: model not found at $model (run cargo test once to fetch the default model)" >&2; exit 1; }
-    rm -f "$target"/gpu/model.gguf.part-*
-    split -n 2 -d --additional-suffix= "$model" "$target/gpu/model.gguf.part-"
-    mv "$target/gpu/model.gguf.part-00" "$target/gpu/model.gguf.part-aa"
-    mv "$target/gpu/model.gguf.part-01" "$target/gpu/model.gguf.part-ab"
-    (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") | awk '{print $1 "  model.gguf"}' > "$target/gpu/model.gguf.sha256"
-    echo "split $(basename "$model") into $target/gpu/model.gguf.part-aa and -ab" >&2
+    rm -f "$gpu"/model.gguf.part-* "$target"/gpu-b/model.gguf.part-*
+    split -n 2 -d --additional-suffix= "$model" "$gpu/model.gguf.part-"
+    mv "$gpu/model.gguf.part-00" "$gpu/model.gguf.part-aa"
+    mv "$gpu/model.gguf.part-01" "$target/gpu-b/model.gguf.part-ab"
+    (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") | awk '{print $1 "  model.gguf"}' > "$gpu/model.gguf.sha256"
+    echo "split $(basename "$model") into $gpu/model.gguf.part-aa and $target/gpu-b/model.gguf.part-ab" >&2
+    # the tokenizer for synthetic models, and the gguf package that writes them (the device has no network)
+    [ -f "$gpu/vocab.gguf" ] || python3 scripts/synthetic-model.py vocab "$model" "$gpu/vocab.gguf"
+    ls "$gpu"/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu" gguf==0.17.1
+    du -ch "$gpu"/* | tail -1 | sed 's/total/carried by the first call (target\/gpu)/' >&2
+    ;;
+kernels)
+    unpack
+    command -v nvcc > /dev/null || { echo "gpu-test.sh: nvcc not found: this step needs the CUDA toolkit" >&2; exit 1; }
+    echo "== nvcc bench-h2o-cuda-op" >&2
+    nvcc -std=c++17 -O3 -use_fast_math -gencode=arch=compute_90,code=sm_90 -I"$work/src/ggml/src/ggml-cuda" \
+        "$work/src/h2o-tests/bench-h2o-cuda-op.cu" -o "$work/bin/bench-h2o-cuda-op"
+    "$work/bin/bench-h2o-cuda-op"
     ;;
 build|run)
-    work="${TMPDIR:-/tmp}/h2o-gpu"
-    tarball="$tarball_default"
-    stamp="$work/unpacked"
-    # unpack and configure once per tarball; the build itself is incremental, so a call cut off by a
-    # time limit can simply be repeated
-    if [ ! -f "$stamp" ] || { [ -f "$tarball" ] && [ "$tarball" -nt "$stamp" ]; }; then
-        [ -f "$tarball" ] || { echo "gpu-test.sh: $tarball not found: run 'scripts/gpu-test.sh pack' first (and carry it)" >&2; exit 1; }
+    unpack
+    if [ ! -f "$work/build/CMakeCache.txt" ]; then
         command -v nvcc > /dev/null || { echo "gpu-test.sh: nvcc not found: this step needs the CUDA toolkit" >&2; exit 1; }
         command -v cmake > /dev/null || { echo "gpu-test.sh: cmake not found" >&2; exit 1; }
-        rm -rf "$work"
-        mkdir -p "$work/src"
-        tar xzf "$tarball" -C "$work/src"
+        # no app/ in the packed tree (LLAMA_BUILD_APP), and no NCCL: one GPU, and the test programs are linked by
+        # hand below
         cmake -S "$work/src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-            -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native -DGGML_NATIVE=ON \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_CURL=OFF > "$work/cmake.log"
-        touch "$stamp"
+            -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native -DGGML_NATIVE=ON -DGGML_CUDA_NCCL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_APP=OFF \
+            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_CURL=OFF > "$work/cmake.log" \
+            || { tail -30 "$work/cmake.log"; exit 1; }
     fi
-    if [ ! -x "$work/test-h2o-offload" ] || [ "$stamp" -nt "$work/test-h2o-offload" ]; then
+    if [ ! -x "$work/bin/bench-h2o-prefill" ] || [ "$work/unpacked" -nt "$work/bin/bench-h2o-prefill" ]; then
         jobs=$(nproc)
         echo "== cmake --build: llama.cpp + ggml with CUDA (-j $jobs)" >&2
+        start=$SECONDS
         cmake --build "$work/build" -j "$jobs" --target llama > "$work/build.log" 2>&1 \
             || { tail -40 "$work/build.log"; exit 1; }
+        echo "   built in $((SECONDS - start)) s" >&2
         cuda_lib="$(dirname "$(dirname "$(command -v nvcc)")")/lib64"
         libs=(
             "$work/build/src/libllama.a" "$work/build/ggml/src/libggml.a"
@@ -88,38 +151,58 @@ build|run)
             -L"$cuda_lib" -L"$cuda_lib/stubs" -lcudart -lcublas -lcublasLt -lcuda -fopenmp -lpthread -ldl -lm
         )
         includes=(-I"$work/src/include" -I"$work/src/src" -I"$work/src/ggml/include" -I"$work/src/ggml/src")
-        for t in test-h2o-backends test-h2o-kv-cache test-h2o-offload; do
+        for t in test-h2o-backends test-h2o-kv-cache test-h2o-offload bench-h2o-prefill; do
             echo "== building $t" >&2
-            g++ -std=c++17 -O2 "${includes[@]}" "$work/src/h2o-tests/$t.cpp" "${libs[@]}" -o "$work/$t"
+            g++ -std=c++17 -O2 "${includes[@]}" "$work/src/h2o-tests/$t.cpp" "${libs[@]}" -o "$work/bin/$t"
         done
     fi
     [ "$1" = build ] && { echo "built in $work" >&2; exit 0; }
 
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
-    model="${H2O_MODEL:-}"
-    if [ -z "$model" ] && [ -f "$target/gpu/model.gguf.part-aa" ] && [ -f "$target/gpu/model.gguf.part-ab" ]; then
-        model="$work/model.gguf"
-        sums="$(cd "$target/gpu" && pwd)/model.gguf.sha256"
-        cat "$target/gpu/model.gguf.part-aa" "$target/gpu/model.gguf.part-ab" > "$model"
-        (cd "$work" && sha256sum -c "$sums" > /dev/null) \
-            || { echo "gpu-test.sh: the assembled model does not match $target/gpu/model.gguf.sha256: carry both halves from one 'pack'" >&2; exit 1; }
-    fi
+    model=$(default_model)
     status=0
     echo "== test-h2o-backends" >&2
-    "$work/test-h2o-backends" || status=1
+    "$work/bin/test-h2o-backends" || status=1
     if [ -n "$model" ]; then
         echo "== test-h2o-offload $model" >&2
-        "$work/test-h2o-offload" "$model" || status=1
+        "$work/bin/test-h2o-offload" "$model" || status=1
         echo "== test-h2o-kv-cache $model" >&2
-        "$work/test-h2o-kv-cache" "$model" || status=1
+        "$work/bin/test-h2o-kv-cache" "$model" || status=1
     else
         echo "== test-h2o-offload, test-h2o-kv-cache: no model (carry both halves from 'pack', or set H2O_MODEL=FILE.gguf)" >&2
         status=1
     fi
     exit $status
     ;;
+bench)
+    spec="${2:?usage: gpu-test.sh bench SHAPE[:LAYERS] LENGTHS [OUT.json]}"
+    lengths="${3:?usage: gpu-test.sh bench SHAPE[:LAYERS] LENGTHS [OUT.json]}"
+    out="${4:-$work/bench-${spec//:/-}.json}"
+    [ -x "$work/bin/bench-h2o-prefill" ] || { echo "gpu-test.sh: run 'gpu-test.sh build' first" >&2; exit 1; }
+    if [ "$spec" = default ]; then
+        model=$(default_model)
+        [ -n "$model" ] || { echo "gpu-test.sh: no default model: carry both halves from 'pack'" >&2; exit 1; }
+    else
+        shape=${spec%%:*}
+        layers=${spec#*:}
+        [ "$layers" = "$spec" ] && layers=""
+        model="$work/${spec//:/-}.gguf"
+        if [ ! -f "$model" ]; then
+            vocab=$(carried vocab.gguf || true)
+            wheel=$(ls "$gpu"/gguf-*.whl "$work"/carried/gguf-*.whl 2> /dev/null | head -1 || true)
+            [ -n "$vocab" ] && [ -n "$wheel" ] || { echo "gpu-test.sh: carry vocab.gguf and the gguf wheel from 'pack'" >&2; exit 1; }
+            [ -f "$work/carried/$(basename "$wheel")" ] || cp "$wheel" "$work/carried/"
+            echo "== writing a $shape-shaped model${layers:+ ($layers layers)} with random weights" >&2
+            GGUF_WHEEL="$work/carried/$(basename "$wheel")" python3 "$work/src/h2o-tests/synthetic-model.py" model "$shape" \
+                --vocab "$vocab" -o "$model" ${layers:+--layers "$layers"}
+        fi
+    fi
+    echo "== bench-h2o-prefill $(basename "$model") -p $lengths" >&2
+    "$work/bin/bench-h2o-prefill" "$model" -p "$lengths" -r 3 -b 4096 -ub 1024 --h2o-local 256 --h2o-heavy 256 \
+        -ngl 99 -fa on --json "$out"
+    ;;
 *)
-    sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
