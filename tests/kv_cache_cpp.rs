@@ -90,7 +90,10 @@ fn h2o_prefill_offloaded_agrees_with_the_cpu() {
         ),
         "{stdout}"
     );
-    assert!(stdout.contains("Local slots equal, top-H rule held on both"), "{stdout}");
+    assert!(
+        stdout.contains("Local slots equal, top-H rule held on both"),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("next-token KL offloaded vs CPU: H2O unforced 0, H2O forced 0 (bound "),
         "{stdout}"
