@@ -9,15 +9,17 @@ mod common;
 
 use std::process::Command;
 
-/// Runs the C++ test program `name` (with the default model as its argument when `with_model`),
-/// echoes its output, asserts that it succeeded, and returns its stdout.
-fn run_cpp_test(name: &str, with_model: bool) -> String {
-    let exe = std::path::Path::new(env!("H2O_LLAMA_CPP_TESTS_DIR")).join(name);
-    let mut cmd = Command::new(&exe);
-    if with_model {
-        cmd.arg(common::model_path());
-    }
-    let out = cmd
+/// The path of the C++ program `name` built by build.rs.
+fn cpp_program(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("H2O_LLAMA_CPP_TESTS_DIR")).join(name)
+}
+
+/// Runs the C++ program `name` with `args`, echoes its output, asserts that it succeeded, and
+/// returns its stdout.
+fn run_cpp_program<S: AsRef<std::ffi::OsStr>>(name: &str, args: &[S]) -> String {
+    let exe = cpp_program(name);
+    let out = Command::new(&exe)
+        .args(args)
         .output()
         .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -30,6 +32,12 @@ fn run_cpp_test(name: &str, with_model: bool) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     stdout
+}
+
+/// Runs the C++ test program `name` (with the default model as its argument when `with_model`).
+fn run_cpp_test(name: &str, with_model: bool) -> String {
+    let model = [common::model_path()];
+    run_cpp_program(name, if with_model { &model[..] } else { &[] })
 }
 
 #[test]
@@ -106,24 +114,15 @@ fn h2o_prefill_offloaded_agrees_with_the_cpu() {
 /// input exits with code 2.
 #[test]
 fn bench_h2o_prefill_runs_on_the_cpu() {
-    let exe = std::path::Path::new(env!("H2O_LLAMA_CPP_TESTS_DIR")).join("bench-h2o-prefill");
     let json = common::scratch("bench-h2o-prefill").join("bench.json");
-    let out = Command::new(&exe)
-        .arg(common::model_path())
-        .args("-p 512 -r 1 -b 1024 -ub 256 --h2o-local 64 --h2o-heavy 64 -t 2 -ngl 0".split(' '))
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", exe.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "{} failed ({}):\n{stdout}\n{}",
-        exe.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+    let mut args: Vec<std::ffi::OsString> = vec![common::model_path().into()];
+    args.extend(
+        "-p 512 -r 1 -b 1024 -ub 256 --h2o-local 64 --h2o-heavy 64 -t 2 -ngl 0 --json"
+            .split(' ')
+            .map(Into::into),
     );
+    args.push(json.clone().into());
+    let stdout = run_cpp_program("bench-h2o-prefill", &args);
     assert!(stdout.contains("\n| 512 | "), "{stdout}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(v["device"], "CPU", "{v}");
@@ -143,7 +142,10 @@ fn bench_h2o_prefill_runs_on_the_cpu() {
         vec![model.clone(), "-p".into(), "12x".into()],
         vec![model.clone(), "-p".into(), "100000000".into()],
     ] {
-        let out = Command::new(&exe).args(&args).output().unwrap();
+        let out = Command::new(cpp_program("bench-h2o-prefill"))
+            .args(&args)
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
         assert!(!out.stderr.is_empty(), "{args:?}");
     }

@@ -425,39 +425,46 @@ float median(std::vector<float> v) {
     return v[v.size()/2];
 }
 
+// the device time of what launch() enqueues, in µs (CUDA events around it)
+struct gpu_timer {
+    cudaEvent_t e0, e1;
+    gpu_timer()  { CUDA_OK(cudaEventCreate(&e0)); CUDA_OK(cudaEventCreate(&e1)); }
+    ~gpu_timer() { cudaEventDestroy(e0); cudaEventDestroy(e1); }
+    template <typename F>
+    float us(F && launch) {
+        CUDA_OK(cudaEventRecord(e0));
+        launch();
+        CUDA_OK(cudaEventRecord(e1));
+        CUDA_OK(cudaEventSynchronize(e1));
+        float ms = 0.0f;
+        CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+        return ms*1000.0f;
+    }
+};
+
 // one layer-chunk with a memory: the call over chunk 1 after chunk 0, per kernel and in all, in µs
 void time_layer_chunk(const head_shape & sh, int S, int L, int H, bool generic_too, bool profile) {
     const int N = 2*S;
     layer ly(sh, S, L, H, N, 7);
     const int M = L + H;
     const int reps = profile ? 1 : 20;
+    const int warmup = 2; // repetitions not counted (except under a profiler, which times each launch itself)
+    gpu_timer timer;
 
     const auto run_chunk1 = [&](h2o_cuda_kernel kernel) {
-        // state after chunk 0: prefill [0, S) once (not timed)
-        ly.prefill({S}, kernel);
         h2o_cuda_args a = ly.args(S, S, {0, -1});
         h2o_cuda_plan plan;
         h2o_cuda_make_plan(a, kernel, &plan);
         dev_buf<float> partial(plan.partial_floats);
-        cudaEvent_t e0, e1;
-        cudaEventCreate(&e0);
-        cudaEventCreate(&e1);
         std::vector<float> t_all;
-        for (int r = 0; r < reps + 2; ++r) {
-            // the same call again from the same state: restore memory set and scores of chunk 0 first
+        for (int r = 0; r < reps + warmup; ++r) {
+            // the same call again from the same state: chunk 0's memory set and scores first (not timed)
             ly.prefill({S}, kernel);
-            cudaEventRecord(e0);
-            h2o_cuda_run(a, plan, partial.ptr, 0);
-            cudaEventRecord(e1);
-            CUDA_OK(cudaEventSynchronize(e1));
-            float ms = 0;
-            cudaEventElapsedTime(&ms, e0, e1);
-            if (r >= 2 || profile) {
-                t_all.push_back(ms*1000.0f);
+            const float t = timer.us([&] { h2o_cuda_run(a, plan, partial.ptr, 0); });
+            if (r >= warmup || profile) {
+                t_all.push_back(t);
             }
         }
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
         return median(t_all);
     };
 
@@ -468,51 +475,38 @@ void time_layer_chunk(const head_shape & sh, int S, int L, int H, bool generic_t
     }
 
     // each kernel alone, from the state after chunk 0
-    ly.prefill({S}, H2O_CUDA_KERNEL_AUTO);
     h2o_cuda_args a = ly.args(S, S, {0, -1});
     h2o_cuda_plan plan;
     h2o_cuda_make_plan(a, H2O_CUDA_KERNEL_AUTO, &plan);
     dev_buf<float> partial(plan.partial_floats);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
     std::vector<float> t_attn, t_red, t_build;
     CUDA_OK(cudaFuncSetAttribute(h2o_build, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) plan.build_smem));
     const int n_parts = (S + H2O_MMA_ROWS - 1)/H2O_MMA_ROWS;
-    for (int r = 0; r < reps + 2; ++r) {
-        float ms = 0;
-        cudaEventRecord(e0);
-        if (sh.D == 64) {
-            h2o_cuda_launch_mma<64>(a, partial.ptr, S, S, 2*S, true, 0);
-        } else {
-            h2o_cuda_launch_mma<128>(a, partial.ptr, S, S, 2*S, true, 0);
-        }
-        cudaEventRecord(e1);
-        CUDA_OK(cudaEventSynchronize(e1));
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (r >= 2 || profile) t_attn.push_back(ms*1000.0f);
-
-        cudaEventRecord(e0);
-        h2o_reduce_settle<<<dim3((S + M + 255)/256, sh.n_head), 256>>>(partial.ptr, n_parts, a.acc, a.nb_acc1,
-                a.scores, a.nb_scores1, a.mem, a.nb_mem1, S, M, S, a.kv_size, false, true);
-        cudaEventRecord(e1);
-        CUDA_OK(cudaEventSynchronize(e1));
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (r >= 2 || profile) t_red.push_back(ms*1000.0f);
-
-        cudaEventRecord(e0);
-        h2o_build<<<sh.n_head, H2O_BUILD_THREADS, plan.build_smem>>>(a.scores, a.mem, a.nb_scores1, a.nb_mem1, L, H,
-                S, 2*S, true);
-        cudaEventRecord(e1);
-        CUDA_OK(cudaEventSynchronize(e1));
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (r >= 2 || profile) t_build.push_back(ms*1000.0f);
-        // the build overwrote M_0 with M_1: restore chunk 0's state for the next repetition
+    for (int r = 0; r < reps + warmup; ++r) {
+        // the build overwrites M_0 with M_1: chunk 0's state again for every repetition
         ly.prefill({S}, H2O_CUDA_KERNEL_AUTO);
+        const float ta = timer.us([&] {
+            if (sh.D == 64) {
+                h2o_cuda_launch_mma<64>(a, partial.ptr, S, S, 2*S, true, 0);
+            } else {
+                h2o_cuda_launch_mma<128>(a, partial.ptr, S, S, 2*S, true, 0);
+            }
+        });
+        const float tr = timer.us([&] {
+            h2o_reduce_settle<<<dim3((S + M + 255)/256, sh.n_head), 256>>>(partial.ptr, n_parts, a.acc, a.nb_acc1,
+                    a.scores, a.nb_scores1, a.mem, a.nb_mem1, S, M, S, a.kv_size, false, true);
+        });
+        const float tb = timer.us([&] {
+            h2o_build<<<sh.n_head, H2O_BUILD_THREADS, plan.build_smem>>>(a.scores, a.mem, a.nb_scores1, a.nb_mem1,
+                    L, H, S, 2*S, true);
+        });
+        if (r >= warmup || profile) {
+            t_attn.push_back(ta);
+            t_red.push_back(tr);
+            t_build.push_back(tb);
+        }
     }
     CUDA_OK(cudaGetLastError());
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
 
     // query-key pairs of the chunk: causal inside it, and all of M
     const double pairs = (double) S*(S + 1)/2 + (double) S*M;
