@@ -1,4 +1,13 @@
-//! A context on a model: evaluate prompts, read logits, generate, reset.
+//! A context on a model: evaluate prompts, read logits, generate, reset. What a session is created
+//! with lives in `config`, H2O inspection in `h2o`, attention capture in `capture`, each with its
+//! own `impl Session` where it needs the context.
+
+mod capture;
+mod config;
+mod h2o;
+
+pub use config::{FlashAttention, H2oConfig, SessionConfig};
+pub use h2o::H2oState;
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -6,173 +15,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::capture::{AttentionCapture, CaptureSink};
-use crate::error::{DecodeError, Error, H2oError, Result};
+use crate::capture::CaptureSink;
+use crate::error::{DecodeError, Error, Result};
 use crate::model::{Model, Token};
 use crate::sampler::Sampler;
 use crate::{backend, sys};
-
-/// H2O sparse-prefill parameters: the memory each chunk attends to holds the last `local`
-/// tokens of the previous chunk and the `heavy` highest-scoring earlier tokens.
-/// `local = heavy = 0` turns H2O off.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-pub struct H2oConfig {
-    /// L: recent tokens kept from the previous chunk.
-    pub local: u32,
-    /// H: heavy hitters kept by accumulated attention score.
-    pub heavy: u32,
-}
-
-impl H2oConfig {
-    /// M = L + H, the memory set size.
-    #[must_use]
-    pub fn memory_size(&self) -> u64 {
-        u64::from(self.local) + u64::from(self.heavy)
-    }
-
-    /// False for L = H = 0, which means stock attention.
-    #[must_use]
-    pub fn is_enabled(&self) -> bool {
-        self.memory_size() > 0
-    }
-}
-
-/// When to use flash attention (`-fa on|off|auto`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-pub enum FlashAttention {
-    #[default]
-    Auto,
-    On,
-    Off,
-}
-
-/// Context parameters. Defaults follow llama.cpp's (`n_ctx` 0 = the model's training context).
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct SessionConfig {
-    /// Context size in tokens (`-c`); 0 = the model's training context.
-    pub n_ctx: u32,
-    /// Logical batch: the most tokens handed to one `llama_decode` call (`-b`). Like
-    /// llama.cpp, a session caps it at `n_ctx`; [`Session::config`] reports the value in effect.
-    pub n_batch: u32,
-    /// Physical batch, which is also the H2O chunk size S (`-ub`); capped at `n_batch`.
-    pub n_ubatch: u32,
-    /// CPU threads (`-t`).
-    pub n_threads: u32,
-    pub flash_attn: FlashAttention,
-    /// H2O sparse prefill; `None` (or L = H = 0) is stock attention.
-    pub h2o: Option<H2oConfig>,
-    /// Copy every H2O attention op's inputs and output out of the graph, for checks against
-    /// [`crate::reference`] (see [`Session::take_attention_captures`]). Slow and memory-hungry:
-    /// for verification on short prompts only.
-    pub capture_attention: bool,
-}
-
-impl Default for SessionConfig {
-    fn default() -> Self {
-        Self {
-            n_ctx: 0,
-            n_batch: 2048,
-            n_ubatch: 512,
-            n_threads: std::thread::available_parallelism()
-                .map(|n| n.get() as u32)
-                .unwrap_or(4),
-            flash_attn: FlashAttention::Auto,
-            h2o: None,
-            capture_attention: false,
-        }
-    }
-}
-
-impl SessionConfig {
-    /// Checks the parameters without touching llama.cpp.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] naming the bad parameter and what to use instead.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::InvalidConfig(m));
-        if self.n_batch == 0 {
-            return bad("batch size (-b) must be at least 1".into());
-        }
-        if self.n_ubatch == 0 {
-            return bad("micro-batch size (-ub) must be at least 1".into());
-        }
-        if self.n_ubatch > self.n_batch {
-            return bad(format!(
-                "micro-batch size -ub {} is larger than batch size -b {}: use -ub <= -b",
-                self.n_ubatch, self.n_batch
-            ));
-        }
-        if self.n_threads == 0 {
-            return bad("thread count (-t) must be at least 1".into());
-        }
-        if let Some(h2o) = self.h2o.filter(H2oConfig::is_enabled) {
-            // the chunk size S in effect: llama.cpp caps -b at -c (when given) and -ub at -b
-            let chunk = match self.n_ctx {
-                0 => self.n_ubatch,
-                c => self.n_ubatch.min(c),
-            };
-            if h2o.memory_size() >= u64::from(chunk) {
-                let (limit, fix) = if chunk < self.n_ubatch {
-                    (
-                        format!(
-                            "the chunk size, which the context -c {chunk} caps at {chunk} (-ub {})",
-                            self.n_ubatch
-                        ),
-                        "raise -c or lower L/H",
-                    )
-                } else {
-                    (
-                        format!("the chunk size -ub {chunk}"),
-                        "lower L/H or raise -ub",
-                    )
-                };
-                return bad(format!(
-                    "H2O memory M = --h2o-local {} + --h2o-heavy {} = {} must be smaller than {limit}: {fix}",
-                    h2o.local,
-                    h2o.heavy,
-                    h2o.memory_size()
-                ));
-            }
-            if cfg!(feature = "stock") {
-                return bad("this build is the stock llama.cpp engine (feature `stock`), which has no H2O: \
-                            build without that feature, or run without --h2o-local/--h2o-heavy"
-                    .into());
-            }
-        }
-        if self.capture_attention && cfg!(feature = "stock") {
-            return bad("attention capture reads the H2O op, which the stock engine (feature `stock`) lacks".into());
-        }
-        Ok(())
-    }
-}
-
-/// The H2O state a session holds (see [`Session::h2o_state`]): its shape, its size and how far
-/// the chunked prefill has got.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct H2oState {
-    /// L.
-    pub local: u32,
-    /// H.
-    pub heavy: u32,
-    /// M = L + H, the slots of a memory set.
-    pub memory_size: u32,
-    /// S = `n_ubatch`, positions per chunk.
-    pub chunk_size: u32,
-    /// Layers with H2O state.
-    pub n_layer: u32,
-    /// Query heads per layer; memory sets and scores are per query head.
-    pub n_head: u32,
-    /// Cache cells, which are the positions the scores cover.
-    pub kv_size: u32,
-    /// Chunks completed since the last reset.
-    pub chunks_done: u32,
-    /// Prompt positions in those chunks.
-    pub tokens_done: u32,
-    /// Whether a memory set has been built since the last reset.
-    pub memory_initialized: bool,
-    /// Bytes of the score and memory-index tensors of all layers.
-    pub size_bytes: u64,
-}
 
 /// Where the time went, for the last [`Session::generate`] (or accumulated evaluations).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
@@ -399,135 +246,6 @@ impl<'m> Session<'m> {
     #[must_use]
     pub fn n_past(&self) -> u32 {
         self.n_past
-    }
-
-    /// The H2O state, or `None` when the session runs full attention.
-    #[must_use]
-    pub fn h2o_state(&self) -> Option<H2oState> {
-        #[cfg(feature = "stock")]
-        {
-            None
-        }
-        #[cfg(not(feature = "stock"))]
-        {
-            // SAFETY: plain-data out parameter, valid context.
-            let mut info: sys::llama_h2o_info = unsafe { std::mem::zeroed() };
-            let rc = unsafe { sys::llama_h2o_get_info(self.ctx.as_ptr(), &mut info) };
-            (rc == sys::LLAMA_H2O_STATUS_OK).then_some(H2oState {
-                local: info.n_local as u32,
-                heavy: info.n_heavy as u32,
-                memory_size: info.n_memory as u32,
-                chunk_size: info.n_chunk as u32,
-                n_layer: info.n_layer as u32,
-                n_head: info.n_head as u32,
-                kv_size: info.kv_size as u32,
-                chunks_done: info.n_chunks_done as u32,
-                tokens_done: info.n_tokens_done as u32,
-                memory_initialized: info.memory_initialized,
-                size_bytes: info.size_bytes as u64,
-            })
-        }
-    }
-
-    /// The memory set of `layer`, query `head`: the positions the next chunk attends to besides
-    /// its own, as the engine stores them (ascending, unused slots −1).
-    ///
-    /// # Errors
-    /// [`Error::H2o`]: no H2O state, or `layer`/`head` out of range.
-    pub fn h2o_memory_set(&self, layer: u32, head: u32) -> Result<crate::reference::MemorySet> {
-        let state = self.h2o_state().ok_or(H2oError::Disabled)?;
-        self.check_h2o_head(&state, layer, head)?;
-        #[allow(unused_mut)] // filled by the FFI call, which stock builds lack
-        let mut slots = vec![-1i32; state.memory_size as usize];
-        #[cfg(not(feature = "stock"))]
-        {
-            // SAFETY: `slots` has room for the M values written; layer/head were checked.
-            let rc = unsafe {
-                sys::llama_h2o_get_memory_indices(
-                    self.ctx.as_ptr(),
-                    layer as i32,
-                    head as i32,
-                    slots.as_mut_ptr(),
-                    slots.len(),
-                )
-            };
-            h2o_status(rc, &state, layer, head, 0..0)?;
-        }
-        Ok(crate::reference::MemorySet { slots })
-    }
-
-    /// Accumulated attention scores of `layer`, query `head`, for `positions` (F32 values of the
-    /// BF16 store).
-    ///
-    /// # Errors
-    /// [`Error::H2o`]: no H2O state, `layer`/`head` out of range, or positions outside the cache.
-    pub fn h2o_scores(
-        &self,
-        layer: u32,
-        head: u32,
-        positions: std::ops::Range<u32>,
-    ) -> Result<Vec<f32>> {
-        let state = self.h2o_state().ok_or(H2oError::Disabled)?;
-        self.check_h2o_head(&state, layer, head)?;
-        if positions.start > positions.end || positions.end > state.kv_size {
-            return Err(H2oError::InvalidRange {
-                start: positions.start.into(),
-                end: positions.end.into(),
-                kv_size: state.kv_size,
-            }
-            .into());
-        }
-        #[allow(unused_mut)] // filled by the FFI call, which stock builds lack
-        let mut scores = vec![0f32; positions.len()];
-        #[cfg(not(feature = "stock"))]
-        {
-            // SAFETY: `scores` has room for the n values written; arguments were checked.
-            let rc = unsafe {
-                sys::llama_h2o_get_scores(
-                    self.ctx.as_ptr(),
-                    layer as i32,
-                    head as i32,
-                    positions.start as i32,
-                    scores.len() as i32,
-                    scores.as_mut_ptr(),
-                )
-            };
-            h2o_status(rc, &state, layer, head, positions)?;
-        }
-        Ok(scores)
-    }
-
-    fn check_h2o_head(&self, state: &H2oState, layer: u32, head: u32) -> Result<()> {
-        if layer >= state.n_layer {
-            return Err(H2oError::InvalidLayer {
-                layer,
-                n_layer: state.n_layer,
-            }
-            .into());
-        }
-        if head >= state.n_head {
-            return Err(H2oError::InvalidHead {
-                head,
-                n_head: state.n_head,
-            }
-            .into());
-        }
-        Ok(())
-    }
-
-    /// The H2O attention ops run since the last call, one [`AttentionCapture`] per layer and
-    /// `llama_decode` call, in the order they ran.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] when the session was created without
-    /// [`SessionConfig::capture_attention`]; [`Error::Capture`] when a node could not be read.
-    pub fn take_attention_captures(&mut self) -> Result<Vec<AttentionCapture>> {
-        let sink = self.capture.as_ref().ok_or_else(|| {
-            Error::InvalidConfig(
-                "attention capture is off: create the session with capture_attention = true".into(),
-            )
-        })?;
-        sink.take().map_err(Error::Capture)
     }
 
     /// Registers a flag that, once set (e.g. by a Ctrl-C handler), makes the running and every
@@ -790,36 +508,4 @@ impl<'m> Session<'m> {
             timings,
         })
     }
-}
-
-/// Maps a `llama_h2o_*` return value (count or negative `llama_h2o_status`) to a typed error.
-#[cfg(not(feature = "stock"))]
-fn h2o_status(
-    rc: i32,
-    state: &H2oState,
-    layer: u32,
-    head: u32,
-    positions: std::ops::Range<u32>,
-) -> Result<()> {
-    if rc >= 0 {
-        return Ok(());
-    }
-    Err(match rc {
-        sys::LLAMA_H2O_STATUS_DISABLED => H2oError::Disabled,
-        sys::LLAMA_H2O_STATUS_INVALID_LAYER => H2oError::InvalidLayer {
-            layer,
-            n_layer: state.n_layer,
-        },
-        sys::LLAMA_H2O_STATUS_INVALID_HEAD => H2oError::InvalidHead {
-            head,
-            n_head: state.n_head,
-        },
-        sys::LLAMA_H2O_STATUS_INVALID_RANGE => H2oError::InvalidRange {
-            start: positions.start.into(),
-            end: positions.end.into(),
-            kv_size: state.kv_size,
-        },
-        other => H2oError::Other(other),
-    }
-    .into())
 }
