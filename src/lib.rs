@@ -36,6 +36,7 @@ mod error;
 mod model;
 pub mod reference;
 mod sampler;
+pub mod scoring;
 mod session;
 
 pub use backend::set_log_echo;

@@ -17,6 +17,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
+use h2o_llama::scoring::{log_softmax, PositionScore, Scores, Summary};
 use h2o_llama::{H2oConfig, Session, SessionConfig, Token};
 
 #[derive(clap::Args, Debug)]
@@ -82,36 +83,12 @@ fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     Ok(shape)
 }
 
-/// Negative log-likelihoods and distribution comparisons, per scored position.
-#[derive(Debug, Default)]
-struct Scores {
-    nll_full: Vec<f64>,
-    nll_h2o: Vec<f64>,
-    /// KL(full ‖ H2O) in nats
-    kld: Vec<f64>,
-    top1_same: Vec<bool>,
-}
-
-#[derive(Debug, serde::Serialize)]
-struct Part {
-    positions: usize,
-    ppl_full: f64,
-    ppl_h2o: f64,
-    /// (ppl_h2o / ppl_full − 1) × 100
-    delta_ppl_percent: f64,
-    kld_mean: f64,
-    kld_median: f64,
-    kld_p99: f64,
-    kld_max: f64,
-    top1_agreement_percent: f64,
-}
-
 /// One H2O shape's scores against full attention.
 #[derive(Debug, serde::Serialize)]
 struct ShapeReport {
     h2o: H2oConfig,
-    whole: Part,
-    second_half: Part,
+    whole: Summary,
+    second_half: Summary,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -125,8 +102,8 @@ struct Report {
     n_ubatch: u32,
     /// None: full attention only (L = H = 0)
     h2o: Option<H2oConfig>,
-    whole: Part,
-    second_half: Part,
+    whole: Summary,
+    second_half: Summary,
     /// with --ablate: every shape scored (the main one first), else empty
     shapes: Vec<ShapeReport>,
 }
@@ -225,14 +202,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
                 let Some(&next) = window.get(pos + 1) else {
                     return; // the last token predicts beyond the window
                 };
-                let lp_full = &log_probs[i];
-                let next = next as usize;
-                let kld: f64 = lp_full
-                    .iter()
-                    .zip(lp_h2o)
-                    .map(|(&f, &h)| f64::from(f).exp() * (f64::from(f) - f64::from(h)))
-                    .sum();
-                let same = argmax(lp_full) == argmax(lp_h2o);
+                let p = PositionScore::new(&log_probs[i], lp_h2o, next as usize);
                 for scores in [
                     Some(&mut whole[k]),
                     (pos >= first_second_half).then_some(&mut second[k]),
@@ -240,10 +210,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
                 .into_iter()
                 .flatten()
                 {
-                    scores.nll_full.push(-f64::from(lp_full[next]));
-                    scores.nll_h2o.push(-f64::from(lp_h2o[next]));
-                    scores.kld.push(kld.max(0.0));
-                    scores.top1_same.push(same);
+                    scores.push(p);
                 }
             };
             for (k, s) in sparse.iter_mut().enumerate() {
@@ -267,8 +234,8 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_batch: args.batch_size,
         n_ubatch: args.shape.ubatch_size,
         h2o: shapes.first().copied(),
-        whole: summarise(&whole[0]),
-        second_half: summarise(&second[0]),
+        whole: whole[0].summary(),
+        second_half: second[0].summary(),
         shapes: if args.ablate.is_empty() {
             Vec::new()
         } else {
@@ -277,8 +244,8 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
                 .zip(whole.iter().zip(&second))
                 .map(|(&h2o, (w, s))| ShapeReport {
                     h2o,
-                    whole: summarise(w),
-                    second_half: summarise(s),
+                    whole: w.summary(),
+                    second_half: s.summary(),
                 })
                 .collect()
         },
@@ -289,45 +256,6 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         print!("{}", table(&report));
     }
     Ok(())
-}
-
-fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
-    let log_sum = sum.ln() as f32;
-    logits.iter().map(|&x| x - max - log_sum).collect()
-}
-
-fn argmax(v: &[f32]) -> usize {
-    (0..v.len())
-        .max_by(|&i, &j| v[i].total_cmp(&v[j]))
-        .unwrap_or(0)
-}
-
-fn summarise(s: &Scores) -> Part {
-    let n = s.nll_full.len().max(1) as f64;
-    let ppl = |nll: &[f64]| (nll.iter().sum::<f64>() / n).exp();
-    let mut kld = s.kld.clone();
-    kld.sort_by(f64::total_cmp);
-    let quantile = |q: f64| {
-        if kld.is_empty() {
-            0.0
-        } else {
-            kld[((kld.len() - 1) as f64 * q).round() as usize]
-        }
-    };
-    let (ppl_full, ppl_h2o) = (ppl(&s.nll_full), ppl(&s.nll_h2o));
-    Part {
-        positions: s.nll_full.len(),
-        ppl_full,
-        ppl_h2o,
-        delta_ppl_percent: (ppl_h2o / ppl_full - 1.0) * 100.0,
-        kld_mean: s.kld.iter().sum::<f64>() / n,
-        kld_median: quantile(0.5),
-        kld_p99: quantile(0.99),
-        kld_max: quantile(1.0),
-        top1_agreement_percent: 100.0 * s.top1_same.iter().filter(|&&x| x).count() as f64 / n,
-    }
 }
 
 fn table(r: &Report) -> String {
