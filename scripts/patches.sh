@@ -91,7 +91,7 @@ vendor_pristine() {
     version=$(pinned_version)
     checksum=$(pinned_field checksum)
     echo "== vendoring pristine $CRATE $version" >&2
-    # --locked: cargo verifies the download against Cargo.lock's checksum (as build.rs does).
+    # --locked: cargo verifies the download against Cargo.lock's checksum (as build/source.rs does).
     if ! env -u CARGO_TARGET_DIR "$CARGO" vendor --locked --versioned-dirs --quiet \
             --manifest-path "$ROOT/vendor/pin/Cargo.toml" "$WORK/vendor-$version" >/dev/null; then
         die "\`$CARGO vendor\` of the pinned $CRATE $version failed"
@@ -103,7 +103,7 @@ vendor_pristine() {
     printf '%s\n' "$crate_dir/llama.cpp"
 }
 
-# The ordered patch names from patches/series (blank lines and `#` comments ignored, as build.rs).
+# The ordered patch names from patches/series (blank lines and `#` comments ignored, as build/patches.rs).
 series_names() {
     sed -e 's/#.*//' -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$ROOT/patches/series" | grep -v '^$' || true
 }
@@ -230,7 +230,7 @@ cmd_regenerate() {
 
     rm -f "$ROOT"/patches/*.patch
     # The -c settings pin the output format against the user's git configuration
-    # (a:/b: prefixes are what `git apply -p1` in build.rs expects).
+    # (a:/b: prefixes are what `git apply -p1` in build/patches.rs expects).
     git_in "$dir" -c diff.noprefix=false -c diff.mnemonicPrefix=false -c format.suffix=.patch \
         -c format.coverLetter=false -c format.signature= \
         format-patch -q --zero-commit --no-signature --no-numbered \

@@ -1,5 +1,5 @@
-//! The C++ test programs, built by build.rs against the patched tree's internal headers: the H2O
-//! state in `llama_kv_cache` (seed 001's 11 metrics, the GQA gathers, reset, and the C API's
+//! The C++ test programs, built by build/cpu.rs against the patched tree's internal headers: the
+//! H2O state in `llama_kv_cache` (seed 001's 11 metrics, the GQA gathers, reset, and the C API's
 //! validation and introspection) on the default model, the H2O attention op on GPU backends
 //! against the CPU, and the whole H2O prefill with the layers offloaded against the CPU.
 // The stock engine has no H2O, and the CUDA (cmake) build does not make the C++ test programs.
@@ -9,7 +9,7 @@ mod common;
 
 use std::process::Command;
 
-/// The path of the C++ program `name` built by build.rs.
+/// The path of the C++ program `name` built by build/cpu.rs.
 fn cpp_program(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("H2O_LLAMA_CPP_TESTS_DIR")).join(name)
 }

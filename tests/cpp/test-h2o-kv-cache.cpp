@@ -4,7 +4,7 @@
 //   test-h2o-kv-cache MODEL.gguf            run the tests; exit status 0 when all pass
 //   test-h2o-kv-cache MODEL.gguf --bench    run the benchmarks and print their figures (no pass/fail)
 //
-// Built by build.rs into $OUT_DIR/cpp-tests and run by tests/kv_cache_cpp.rs (tests) and
+// Built by build/cpu.rs into $OUT_DIR/cpp-tests and run by tests/kv_cache_cpp.rs (tests) and
 // benches/kv_cache.rs (benchmarks).
 
 #include "llama.h"

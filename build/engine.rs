@@ -1,0 +1,278 @@
+//! The engine's translation units and compiler flags, following upstream's CMake lists
+//! (ggml/src/CMakeLists.txt, ggml-cpu/CMakeLists.txt, src/CMakeLists.txt): the table of sources
+//! in `UNITS`, the unity batches of the model builders, and the flags (native code, AMX off,
+//! sanitizers, defines, include paths). What they compile into is `cpu`'s business.
+
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::fail;
+use crate::version::write_if_changed;
+
+pub struct Unit {
+    /// File handed to the compiler.
+    pub source: PathBuf,
+    /// Extra files whose content the object depends on (the members of a unity file).
+    pub members: Vec<PathBuf>,
+    pub cpp: bool,
+    /// Which header set (by name in `header_digests`) the object depends on.
+    pub headers: &'static str,
+}
+
+/// Which sources of a directory a row of `UNITS` compiles.
+enum Sources {
+    /// These files, in this order.
+    Listed(&'static [&'static str]),
+    /// Every `.cpp` file of the directory, sorted by name.
+    AllCpp,
+    /// Every `.cpp` file of the directory, sorted, compiled in unity batches of this size.
+    Unity(usize),
+}
+
+/// One row of `UNITS`.
+struct Group {
+    /// The directory, relative to the tree.
+    dir: &'static str,
+    /// The target architectures the row is for (empty: all).
+    arch: &'static [&'static str],
+    sources: Sources,
+    /// Which header set (by name in `header_digests`) the objects depend on.
+    headers: &'static str,
+}
+
+/// The engine's translation units, in compile (and archive) order.
+const UNITS: &[Group] = &[
+    // ggml/src/CMakeLists.txt: ggml-base and ggml
+    Group {
+        dir: "ggml/src",
+        arch: &[],
+        sources: Sources::Listed(&[
+            "ggml.c",
+            "ggml.cpp",
+            "ggml-alloc.c",
+            "ggml-backend.cpp",
+            "ggml-backend-meta.cpp",
+            "ggml-opt.cpp",
+            "ggml-threading.cpp",
+            "ggml-quants.c",
+            "gguf.cpp",
+            "ggml-backend-dl.cpp",
+            "ggml-backend-reg.cpp",
+        ]),
+        headers: "ggml",
+    },
+    // ggml/src/ggml-cpu/CMakeLists.txt
+    Group {
+        dir: "ggml/src/ggml-cpu",
+        arch: &[],
+        sources: Sources::Listed(&[
+            "ggml-cpu.c",
+            "ggml-cpu.cpp",
+            "repack.cpp",
+            "hbm.cpp",
+            "quants.c",
+            "traits.cpp",
+            "amx/amx.cpp",
+            "amx/mmq.cpp",
+            "tiled/tiled.cpp",
+            "tiled/tiled-kernel.cpp",
+            "binary-ops.cpp",
+            "unary-ops.cpp",
+            "vec.cpp",
+            "ops.cpp",
+            "llamafile/sgemm.cpp",
+        ]),
+        headers: "ggml",
+    },
+    // ggml-cpu's architecture-specific kernels
+    Group {
+        dir: "ggml/src/ggml-cpu",
+        arch: &["x86_64", "x86"],
+        sources: Sources::Listed(&["arch/x86/quants.c", "arch/x86/repack.cpp"]),
+        headers: "ggml",
+    },
+    Group {
+        dir: "ggml/src/ggml-cpu",
+        arch: &["aarch64", "arm"],
+        sources: Sources::Listed(&["arch/arm/quants.c", "arch/arm/repack.cpp"]),
+        headers: "ggml",
+    },
+    // src/CMakeLists.txt: llama
+    Group {
+        dir: "src",
+        arch: &[],
+        sources: Sources::AllCpp,
+        headers: "llama",
+    },
+    // Model builders: unity batches of 16, as upstream's CMake does (UNITY_BUILD_BATCH_SIZE 16);
+    // compiling 150+ small files one by one costs minutes of header parsing.
+    Group {
+        dir: "src/models",
+        arch: &[],
+        sources: Sources::Unity(16),
+        headers: "llama",
+    },
+];
+
+pub fn sorted_files(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| fail(format!("read {}: {e}", dir.display())))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == ext))
+        .collect();
+    v.sort();
+    v
+}
+
+/// The translation units of `UNITS` for `target_arch`; unity files are written to
+/// `<out_dir>/unity`.
+pub fn units(tree: &Path, out_dir: &Path, target_arch: &str) -> Vec<Unit> {
+    let mut units: Vec<Unit> = Vec::new();
+    for g in UNITS {
+        if !g.arch.is_empty() && !g.arch.contains(&target_arch) {
+            continue;
+        }
+        let dir = tree.join(g.dir);
+        match g.sources {
+            Sources::Listed(files) => {
+                units.extend(files.iter().map(|f| unit(dir.join(f), g.headers)));
+            }
+            Sources::AllCpp => {
+                units.extend(
+                    sorted_files(&dir, "cpp")
+                        .into_iter()
+                        .map(|f| unit(f, g.headers)),
+                );
+            }
+            Sources::Unity(batch) => units.extend(unity_units(&dir, batch, g.headers, out_dir)),
+        }
+    }
+    units
+}
+
+fn unit(path: PathBuf, headers: &'static str) -> Unit {
+    let cpp = path.extension().is_some_and(|x| x == "cpp");
+    Unit {
+        source: path,
+        members: vec![],
+        cpp,
+        headers,
+    }
+}
+
+/// The sorted `.cpp` files of `dir` in batches of `batch`, each batch one unity file that
+/// `#include`s its members.
+fn unity_units(dir: &Path, batch: usize, headers: &'static str, out_dir: &Path) -> Vec<Unit> {
+    let models = sorted_files(dir, "cpp");
+    let unity_dir = out_dir.join("unity");
+    fs::create_dir_all(&unity_dir).unwrap();
+    let mut units = Vec::new();
+    for (i, batch) in models.chunks(batch).enumerate() {
+        let path = unity_dir.join(format!("models_{i:02}.cpp"));
+        let mut text = String::new();
+        for m in batch {
+            writeln!(text, "#include \"{}\"", m.display()).unwrap();
+        }
+        write_if_changed(&path, &text);
+        units.push(Unit {
+            source: path,
+            members: batch.to_vec(),
+            cpp: true,
+            headers,
+        });
+    }
+    units
+}
+
+/// The engine's compiler flags.
+pub struct Flags {
+    pub c: Vec<String>,
+    pub cxx: Vec<String>,
+    /// `H2O_LLAMA_SANITIZE`: the `-fsanitize=` list, also needed when linking.
+    pub sanitize: Option<String>,
+}
+
+pub fn flags(tree: &Path, gen_dir: &Path, target_arch: &str) -> Flags {
+    let sanitize = env::var("H2O_LLAMA_SANITIZE")
+        .ok()
+        .filter(|s| !s.is_empty());
+    let common = common_flags(tree, gen_dir, target_arch, sanitize.as_deref());
+    let c_flags: Vec<String> = ["-std=gnu11".to_string()]
+        .into_iter()
+        .chain(common.iter().cloned())
+        .collect();
+    let cxx_flags: Vec<String> = ["-std=gnu++17".to_string()]
+        .into_iter()
+        .chain(common.iter().cloned())
+        .collect();
+    Flags {
+        c: c_flags,
+        cxx: cxx_flags,
+        sanitize,
+    }
+}
+
+/// The flags C and C++ share, in this order: optimisation and threads, target CPU, sanitizers,
+/// defines, include paths.
+fn common_flags(
+    tree: &Path,
+    gen_dir: &Path,
+    target_arch: &str,
+    sanitize: Option<&str>,
+) -> Vec<String> {
+    let ggml_src = tree.join("ggml/src");
+    let cpu_src = ggml_src.join("ggml-cpu");
+    let llama_src = tree.join("src");
+    let native = env::var("H2O_LLAMA_NATIVE")
+        .map(|v| v != "0")
+        .unwrap_or(true);
+    let debug_asserts = env::var("H2O_LLAMA_DEBUG_ASSERTS").is_ok_and(|v| v != "0");
+    let mut common: Vec<String> = vec![
+        "-O3".into(),
+        "-fPIC".into(),
+        "-fopenmp".into(),
+        "-pthread".into(),
+    ];
+    if matches!(target_arch, "x86_64" | "x86") {
+        if native {
+            common.push("-march=native".into());
+        }
+        // AMX is advertised by some VMs whose hypervisor faults on its instructions (SIGILL in
+        // ggml's AMX matmul); the gain for this workload is small, so never emit it.
+        common.extend(["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"].map(String::from));
+    } else if native {
+        common.push("-mcpu=native".into());
+    }
+    if let Some(s) = sanitize {
+        common.push(format!("-fsanitize={s}"));
+        common.push("-fno-omit-frame-pointer".into());
+        common.push("-g".into());
+    }
+    for d in [
+        "GGML_USE_CPU",
+        "GGML_USE_CPU_REPACK",
+        "GGML_USE_LLAMAFILE",
+        "GGML_USE_OPENMP",
+        "GGML_SCHED_MAX_COPIES=4",
+        "_GNU_SOURCE",
+        "_XOPEN_SOURCE=600",
+    ] {
+        common.push(format!("-D{d}"));
+    }
+    if !debug_asserts {
+        common.push("-DNDEBUG".into());
+    }
+    for inc in [
+        tree.join("ggml/include"),
+        ggml_src,
+        cpu_src,
+        tree.join("include"),
+        llama_src,
+        gen_dir.to_path_buf(),
+    ] {
+        common.push(format!("-I{}", inc.display()));
+    }
+    common
+}
