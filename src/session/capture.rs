@@ -11,7 +11,7 @@ impl Session<'_> {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when the session was created without
-    /// [`SessionConfig::capture_attention`]; [`Error::Capture`] when a node could not be read.
+    /// [`SessionConfig::capture_attention`](crate::SessionConfig::capture_attention); [`Error::Capture`] when a node could not be read.
     pub fn take_attention_captures(&mut self) -> Result<Vec<AttentionCapture>> {
         let sink = self.capture.as_ref().ok_or_else(|| {
             Error::InvalidConfig(

@@ -43,7 +43,7 @@ pub struct SessionConfig {
     /// Context size in tokens (`-c`); 0 = the model's training context.
     pub n_ctx: u32,
     /// Logical batch: the most tokens handed to one `llama_decode` call (`-b`). Like
-    /// llama.cpp, a session caps it at `n_ctx`; [`Session::config`] reports the value in effect.
+    /// llama.cpp, a session caps it at `n_ctx`; [`Session::config`](crate::Session::config) reports the value in effect.
     pub n_batch: u32,
     /// Physical batch, which is also the H2O chunk size S (`-ub`); capped at `n_batch`.
     pub n_ubatch: u32,
@@ -53,7 +53,7 @@ pub struct SessionConfig {
     /// H2O sparse prefill; `None` (or L = H = 0) is stock attention.
     pub h2o: Option<H2oConfig>,
     /// Copy every H2O attention op's inputs and output out of the graph, for checks against
-    /// [`crate::reference`] (see [`Session::take_attention_captures`]). Slow and memory-hungry:
+    /// [`crate::reference`] (see [`Session::take_attention_captures`](crate::Session::take_attention_captures)). Slow and memory-hungry:
     /// for verification on short prompts only.
     pub capture_attention: bool,
 }

@@ -67,7 +67,7 @@ impl Session<'_> {
     /// its own, as the engine stores them (ascending, unused slots −1).
     ///
     /// # Errors
-    /// [`Error::H2o`]: no H2O state, or `layer`/`head` out of range.
+    /// [`Error::H2o`](crate::Error::H2o): no H2O state, or `layer`/`head` out of range.
     pub fn h2o_memory_set(&self, layer: u32, head: u32) -> Result<crate::reference::MemorySet> {
         let state = self.h2o_state().ok_or(H2oError::Disabled)?;
         self.check_h2o_head(&state, layer, head)?;
@@ -94,7 +94,7 @@ impl Session<'_> {
     /// BF16 store).
     ///
     /// # Errors
-    /// [`Error::H2o`]: no H2O state, `layer`/`head` out of range, or positions outside the cache.
+    /// [`Error::H2o`](crate::Error::H2o): no H2O state, `layer`/`head` out of range, or positions outside the cache.
     pub fn h2o_scores(
         &self,
         layer: u32,

@@ -96,7 +96,7 @@ struct Report {
     chunk_to_chunk_jaccard: f64,
     run_to_run_jaccard_mean: f64,
     run_to_run_jaccard_min: f64,
-    /// final heavy hitters, [layer][head] → positions
+    /// final heavy hitters, `[layer][head]` → positions
     final_heavy: Vec<Vec<Vec<usize>>>,
 }
 
