@@ -42,20 +42,22 @@ target="${CARGO_TARGET_DIR:-target}"
 gpu="$target/gpu"
 work="${TMPDIR:-/tmp}/h2o-gpu"
 
-# a carried file, or the copy an earlier call of this machine kept in $work
+# the gguf package's wheel (scripts/synthetic-model.py pins the same version)
+gguf_version=0.17.1
+gguf_wheel=gguf-$gguf_version-py3-none-any.whl
+
+# a file carried by this call (in target/gpu or target/gpu-b), or the copy an earlier call of this
+# machine kept in $work/carried
 carried() {
-    local name=$1
-    if [ -f "$gpu/$name" ]; then
-        mkdir -p "$work/carried"
-        [ "$gpu/$name" -ef "$work/carried/$name" ] || cp -p "$gpu/$name" "$work/carried/$name"
-    fi
+    local name=$1 dir
+    for dir in "$gpu" "$target/gpu-b"; do
+        if [ -f "$dir/$name" ]; then
+            mkdir -p "$work/carried"
+            [ "$dir/$name" -ef "$work/carried/$name" ] || cp -p "$dir/$name" "$work/carried/$name"
+        fi
+    done
     [ -f "$work/carried/$name" ] && echo "$work/carried/$name"
 }
-for half in aa ab; do
-    if [ -f "$target/gpu-b/model.gguf.part-$half" ]; then
-        mkdir -p "$work/carried" && cp -p "$target/gpu-b/model.gguf.part-$half" "$work/carried/"
-    fi
-done
 
 default_model() {
     local aa ab sums
@@ -112,7 +114,10 @@ pack)
     echo "split $(basename "$model") into $gpu/model.gguf.part-aa and $target/gpu-b/model.gguf.part-ab" >&2
     # the tokenizer for synthetic models, and the gguf package that writes them (the device has no network)
     [ -f "$gpu/vocab.gguf" ] || python3 scripts/synthetic-model.py vocab "$model" "$gpu/vocab.gguf"
-    ls "$gpu"/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu" gguf==0.17.1
+    if [ ! -f "$gpu/$gguf_wheel" ]; then
+        python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu" "gguf==$gguf_version"
+        [ -f "$gpu/$gguf_wheel" ] || { echo "gpu-test.sh: pip did not fetch $gguf_wheel" >&2; exit 1; }
+    fi
     du -ch "$gpu"/* | tail -1 | sed 's/total/carried by the first call (target\/gpu)/' >&2
     ;;
 kernels)
@@ -189,11 +194,10 @@ bench)
         model="$work/${spec//:/-}.gguf"
         if [ ! -f "$model" ]; then
             vocab=$(carried vocab.gguf || true)
-            wheel=$(ls "$gpu"/gguf-*.whl "$work"/carried/gguf-*.whl 2> /dev/null | head -1 || true)
-            [ -n "$vocab" ] && [ -n "$wheel" ] || { echo "gpu-test.sh: carry vocab.gguf and the gguf wheel from 'pack'" >&2; exit 1; }
-            [ -f "$work/carried/$(basename "$wheel")" ] || cp "$wheel" "$work/carried/"
+            wheel=$(carried "$gguf_wheel" || true)
+            [ -n "$vocab" ] && [ -n "$wheel" ] || { echo "gpu-test.sh: carry vocab.gguf and $gguf_wheel from 'pack'" >&2; exit 1; }
             echo "== writing a $shape-shaped model${layers:+ ($layers layers)} with random weights" >&2
-            GGUF_WHEEL="$work/carried/$(basename "$wheel")" python3 "$work/src/h2o-tests/synthetic-model.py" model "$shape" \
+            GGUF_WHEEL="$wheel" python3 "$work/src/h2o-tests/synthetic-model.py" model "$shape" \
                 --vocab "$vocab" -o "$model" ${layers:+--layers "$layers"}
         fi
     fi
