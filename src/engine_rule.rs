@@ -10,7 +10,7 @@ use crate::reference::MemorySet;
 
 /// Builds `M_c` after the chunk `chunk` the way the engine does. `scores` holds the BF16 score of
 /// every position (bits, index = position); `previous` is `M_{c-1}` (L + H slots) or `None` for
-/// the first chunk.
+/// the first chunk; positions `0 .. sink` are always kept, out of the heavy budget.
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] when the inputs are not a state the engine can be in: L + H = 0,
@@ -21,6 +21,7 @@ pub fn engine_build_memory_set(
     previous: Option<&MemorySet>,
     local: usize,
     heavy: usize,
+    sink: usize,
     chunk: Range<usize>,
 ) -> Result<MemorySet> {
     let bad = |m: String| Err(Error::InvalidConfig(m));
@@ -34,6 +35,11 @@ pub fn engine_build_memory_set(
         return bad(format!(
             "chunk {chunk:?} is not inside the {} scored positions",
             scores.len()
+        ));
+    }
+    if sink > heavy {
+        return bad(format!(
+            "sink {sink} is larger than the heavy budget {heavy}"
         ));
     }
     let mut slots = vec![-1i32; m];
@@ -69,6 +75,7 @@ pub fn engine_build_memory_set(
             slots.as_mut_ptr(),
             local as i32,
             heavy as i32,
+            sink as i32,
             chunk.start as i32,
             chunk.end as i32,
             previous.is_some(),

@@ -10,13 +10,28 @@
 
 use std::ops::Range;
 
-/// H2O parameters: chunk size S (`n_ubatch`), local window L, heavy budget H.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub use crate::session::Selection;
+
+/// H2O parameters: chunk size S (`n_ubatch`), local window L, heavy budget H, and how the heavy
+/// part is chosen (`select`, with `sink` positions always kept inside H); queries from
+/// `tail_start` on are the dense tail (full attention, no scores). `H2oParams { chunk, local,
+/// heavy, ..Default::default() }` is the seed rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct H2oParams {
     pub chunk: usize,
     pub local: usize,
     pub heavy: usize,
+    pub select: Selection,
+    pub sink: usize,
+    pub tail_start: Option<usize>,
 }
+
+/// Positions per block of query-aware selection (`GGML_H2O_BLOCK`).
+pub const SELECT_BLOCK: usize = 16;
+/// Query-aware selection samples the last this-many queries of a chunk…
+pub const SAMPLE_LAST: usize = 32;
+/// …and up to this many more, evenly spread over the rest.
+pub const SAMPLE_STRIDE: usize = 32;
 
 impl H2oParams {
     /// M = L + H.
@@ -49,8 +64,9 @@ impl MemorySet {
 }
 
 /// Builds `M_c` after a chunk ending at `chunk_end` (SPEC item 5): `Local = [max(end − L, 0), end)`;
-/// candidates = (previous memory ∪ this chunk) \ Local; `Heavy` = the `H` candidates with the
-/// highest score, ties to the lower position; result sorted, padded with −1 to `M` slots.
+/// `Sink = [0, sink)` minus Local; candidates = (previous memory ∪ this chunk) \ (Local ∪ Sink);
+/// `Heavy` = the `H − |Sink|` candidates with the highest score, ties to the lower position;
+/// result sorted, padded with −1 to `M` slots.
 #[must_use]
 pub fn build_memory_set(
     params: &H2oParams,
@@ -59,6 +75,7 @@ pub fn build_memory_set(
     scores: &[f64],
 ) -> MemorySet {
     let local = chunk.end.saturating_sub(params.local)..chunk.end;
+    let sink = 0..params.sink.min(local.start);
     let mut candidates: Vec<usize> = previous
         .into_iter()
         .flat_map(MemorySet::positions)
@@ -66,15 +83,138 @@ pub fn build_memory_set(
         .collect();
     candidates.sort_unstable();
     candidates.dedup();
-    candidates.retain(|p| !local.contains(p));
+    candidates.retain(|p| !local.contains(p) && !sink.contains(p));
     // Highest score first; equal scores: lower position first.
     candidates.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-    candidates.truncate(params.heavy);
-    let mut positions: Vec<usize> = local.chain(candidates).collect();
+    candidates.truncate(params.heavy - sink.len());
+    let mut positions: Vec<usize> = local.chain(sink).chain(candidates).collect();
     positions.sort_unstable();
     let mut slots: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
     slots.resize(params.memory_size(), -1);
     MemorySet { slots }
+}
+
+/// The queries of `rows` that choose a query-aware memory: the last [`SAMPLE_LAST`], then up
+/// to [`SAMPLE_STRIDE`] evenly spread over the rest.
+#[must_use]
+pub fn query_sample(rows: Range<usize>) -> Vec<usize> {
+    let last0 = rows.end.saturating_sub(SAMPLE_LAST).max(rows.start);
+    let n_rest = last0 - rows.start;
+    let n_pick = n_rest.min(SAMPLE_STRIDE);
+    (last0..rows.end)
+        .chain((0..n_pick).map(|k| rows.start + k * n_rest / n_pick))
+        .collect()
+}
+
+/// A query-aware memory and what chose it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuerySelection {
+    pub set: MemorySet,
+    /// `(first position, score)` of every candidate block, in position order
+    pub blocks: Vec<(usize, f64)>,
+}
+
+/// The memory of the chunk starting at `chunk_start` under [`Selection::Query`] or
+/// [`Selection::QueryMean`]: Local `[start − L, start)`, Sink `[0, sink)`, and the best blocks of
+/// [`SELECT_BLOCK`] positions of `[sink, start − L)` until `H − |Sink|` positions are taken
+/// (a block that does not fit is cut). A block's score is the sum over the sampled queries
+/// (`sample`, rows of `q`) of its share in a softmax over the blocks of `scale · q·k̂`, where
+/// `q·k̂` is the per-channel upper bound `Σ_d max(q_d·min_d, q_d·max_d)` of the block's keys
+/// (`Query`) or the product with their mean (`QueryMean`).
+#[must_use]
+pub fn select_by_query(
+    params: &H2oParams,
+    q: &Matrix,
+    k: &Matrix,
+    scale: f64,
+    chunk_start: usize,
+    sample: &[usize],
+) -> QuerySelection {
+    let local = chunk_start.saturating_sub(params.local)..chunk_start;
+    let sink_end = params.sink.min(local.start);
+    let candidates = sink_end..local.start;
+    let budget = params.heavy.saturating_sub(sink_end);
+    let mut positions: Vec<usize> = (0..sink_end).chain(local).collect();
+    let mut blocks = Vec::new();
+    if candidates.len() <= budget {
+        positions.extend(candidates);
+    } else {
+        let ranges: Vec<Range<usize>> = (candidates.start / SELECT_BLOCK
+            ..candidates.end.div_ceil(SELECT_BLOCK))
+            .map(|b| {
+                (b * SELECT_BLOCK).max(candidates.start)
+                    ..((b + 1) * SELECT_BLOCK).min(candidates.end)
+            })
+            .collect();
+        let summaries: Vec<(Vec<f64>, Vec<f64>)> = ranges
+            .iter()
+            .map(|r| {
+                let d = k.cols;
+                if params.select == Selection::QueryMean {
+                    let mut mean = vec![0.0; d];
+                    for j in r.clone() {
+                        for (m, x) in mean.iter_mut().zip(k.row(j)) {
+                            *m += x;
+                        }
+                    }
+                    let n = r.len() as f64;
+                    (mean.iter().map(|m| m / n).collect(), vec![])
+                } else {
+                    let mut lo = vec![f64::INFINITY; d];
+                    let mut hi = vec![f64::NEG_INFINITY; d];
+                    for j in r.clone() {
+                        for ((l, h), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(k.row(j)) {
+                            *l = l.min(x);
+                            *h = h.max(x);
+                        }
+                    }
+                    (lo, hi)
+                }
+            })
+            .collect();
+        let mut score = vec![0.0; ranges.len()];
+        for &i in sample {
+            let qi: Vec<f64> = q.row(i).iter().map(|x| x * scale).collect();
+            let logits: Vec<f64> = summaries
+                .iter()
+                .map(|(lo, hi)| {
+                    if params.select == Selection::QueryMean {
+                        dot(&qi, lo)
+                    } else {
+                        qi.iter()
+                            .zip(lo.iter().zip(hi))
+                            .map(|(x, (l, h))| (x * l).max(x * h))
+                            .sum()
+                    }
+                })
+                .collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (s, x) in score.iter_mut().zip(&e) {
+                *s += x / sum;
+            }
+        }
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+        let mut left = budget;
+        for b in order {
+            if left == 0 {
+                break;
+            }
+            let r = ranges[b].start..ranges[b].end.min(ranges[b].start + left);
+            left -= r.len();
+            positions.extend(r);
+        }
+        blocks = ranges.iter().map(|r| r.start).zip(score).collect();
+    }
+    positions.sort_unstable();
+    let mut slots: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+    slots.resize(params.memory_size(), -1);
+    QuerySelection {
+        set: MemorySet { slots },
+        blocks,
+    }
 }
 
 /// Unnormalised softmax state of one query row over some keys: running max `m`, sum of
@@ -229,7 +369,14 @@ pub fn h2o_attention_head_given_memory(
     let mut attended: Option<MemorySet> = None;
     let mut key_sets = Vec::with_capacity(n);
     let chunks = chunk_bounds(n, params.chunk);
+    let by_query = params.select != Selection::H2o;
+    let tail_start = params.tail_start.unwrap_or(usize::MAX);
     for (c, chunk) in chunks.iter().enumerate() {
+        if c >= 1 && by_query {
+            let sample = query_sample(chunk.clone());
+            memory_sets.push(select_by_query(params, q, k, scale, chunk.start, &sample).set);
+            build_scores.push(scores.clone());
+        }
         if c >= 1 {
             attended = Some(given.get(c - 1).unwrap_or(&memory_sets[c - 1]).clone());
         }
@@ -238,6 +385,14 @@ pub fn h2o_attention_head_given_memory(
             .map(|m| m.positions().collect())
             .unwrap_or_default();
         for i in chunk.clone() {
+            if i >= tail_start {
+                // the dense tail: every position up to i, no scores
+                let keys: Vec<usize> = (0..=i).collect();
+                let (all, _) = attend(q.row(i), k, v, scale, &keys);
+                output.data[i * v.cols..(i + 1) * v.cols].copy_from_slice(&all.output());
+                key_sets.push(keys);
+                continue;
+            }
             let intra_keys: Vec<usize> = (chunk.start..=i).collect();
             let (intra, a_intra) = attend(q.row(i), k, v, scale, &intra_keys);
             let (inter, a_inter) = attend(q.row(i), k, v, scale, &memory);
@@ -253,7 +408,7 @@ pub fn h2o_attention_head_given_memory(
             output.data[i * v.cols..(i + 1) * v.cols].copy_from_slice(&merged.output());
             key_sets.push(memory.iter().copied().chain(intra_keys).collect());
         }
-        if c + 1 < chunks.len() {
+        if c + 1 < chunks.len() && !by_query {
             let set = build_memory_set(params, attended.as_ref(), chunk.clone(), &scores);
             memory_sets.push(set);
             build_scores.push(scores.clone());
@@ -400,6 +555,79 @@ mod tests {
     }
 
     #[test]
+    fn query_selection_keeps_local_sinks_and_the_block_the_queries_point_at() {
+        // keys 0..96 random but small; block [48, 64) gets keys along the direction every
+        // query of chunk 96..128 looks in, so it must be chosen whatever else happens
+        let mut rng = Rng(11);
+        let n = 128;
+        let mut k = rng.matrix(n, D, 0.1);
+        let mut q = rng.matrix(n, D, 0.1);
+        for j in 48..64 {
+            k.data[j * D] = 4.0;
+        }
+        for i in 96..128 {
+            q.data[i * D] = 4.0;
+        }
+        for select in [Selection::Query, Selection::QueryMean] {
+            let params = H2oParams {
+                chunk: 32,
+                local: 8,
+                heavy: 24,
+                select,
+                sink: 4,
+                ..Default::default()
+            };
+            let sel = select_by_query(&params, &q, &k, 0.125, 96, &query_sample(96..128));
+            let pos: Vec<usize> = sel.set.positions().collect();
+            assert_eq!(pos.len(), 32, "{select}: {pos:?}");
+            for p in (0..4).chain(88..96).chain(48..64) {
+                assert!(pos.contains(&p), "{select}: {p} missing from {pos:?}");
+            }
+            // the sample: the last 32 rows of the chunk part, no more here
+            assert_eq!(query_sample(96..128).len(), 32);
+        }
+        // with more rows than SAMPLE_LAST, the rest is sampled by stride, all inside the rows
+        let sample = query_sample(100..300);
+        assert_eq!(sample.len(), SAMPLE_LAST + SAMPLE_STRIDE);
+        assert!(sample.iter().all(|i| (100..300).contains(i)));
+    }
+
+    #[test]
+    fn every_policy_attends_to_its_key_sets_and_the_tail_to_everything() {
+        for select in Selection::ALL {
+            for (sink, tail) in [(0, None), (3, None), (3, Some(70))] {
+                let n = 80;
+                let params = H2oParams {
+                    chunk: 16,
+                    local: 4,
+                    heavy: 6,
+                    select,
+                    sink,
+                    tail_start: tail,
+                };
+                let (q, k, v, r) = run(n, params, 5);
+                let mut sets = expected_key_sets(n, params.chunk, &r.memory_sets);
+                for (i, keys) in sets.iter_mut().enumerate() {
+                    if tail.is_some_and(|t| i >= t) {
+                        *keys = (0..=i).collect();
+                    }
+                }
+                assert_eq!(r.key_sets, sets, "{select} sink {sink} tail {tail:?}");
+                let dense = dense_attention(&q, &k, &v, 1.0 / (D as f64).sqrt(), &sets);
+                assert!(max_abs_diff(&r.output, &dense) < 1e-12);
+                for (c, m) in r.memory_sets.iter().enumerate() {
+                    let pos: Vec<usize> = m.positions().collect();
+                    assert_eq!(pos.len(), 10, "{select} chunk {c}: {pos:?}");
+                    assert!(
+                        (0..sink).all(|p| pos.contains(&p)),
+                        "{select}: sinks missing"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn chunk_bounds_are_position_aligned() {
         assert_eq!(chunk_bounds(10, 4), vec![0..4, 4..8, 8..10]);
         assert_eq!(chunk_bounds(8, 4), vec![0..4, 4..8]);
@@ -438,6 +666,7 @@ mod tests {
                     chunk: 16,
                     local: 4,
                     heavy: 4,
+                    ..Default::default()
                 },
                 1,
             );
@@ -456,6 +685,7 @@ mod tests {
             chunk: 16,
             local: 4,
             heavy: 4,
+            ..Default::default()
         };
         for n in [31, 32, 33, 50, 64] {
             let r = assert_matches_dense(n, p, 7 + n as u64);
@@ -472,21 +702,25 @@ mod tests {
                 chunk: 16,
                 local: 0,
                 heavy: 6,
+                ..Default::default()
             },
             H2oParams {
                 chunk: 16,
                 local: 6,
                 heavy: 0,
+                ..Default::default()
             },
             H2oParams {
                 chunk: 16,
                 local: 7,
                 heavy: 8,
+                ..Default::default()
             }, // M = S - 1
             H2oParams {
                 chunk: 16,
                 local: 1,
                 heavy: 14,
+                ..Default::default()
             },
         ] {
             let r = assert_matches_dense(70, p, 11);
@@ -517,6 +751,7 @@ mod tests {
             chunk: 8,
             local: 2,
             heavy: 3,
+            ..Default::default()
         };
         let (_, _, _, r) = run(20, p, 5);
         // Every softmax row sums to 1: intra contributes |C_c| per chunk, inter |C_c| when
@@ -539,6 +774,7 @@ mod tests {
             chunk: 8,
             local: 2,
             heavy: 3,
+            ..Default::default()
         };
         let mut scores = vec![0.0; 16];
         for (pos, s) in [
@@ -583,6 +819,7 @@ mod tests {
             chunk: 8,
             local: 2,
             heavy: 5,
+            ..Default::default()
         };
         assert_eq!(
             build_memory_set(&p3, None, 0..4, &flat).slots,
@@ -601,6 +838,7 @@ mod tests {
             chunk: 16,
             local: 3,
             heavy: 5,
+            ..Default::default()
         };
         let scale = 1.0 / (D as f64).sqrt();
         let results = h2o_attention(&q, &k, &v, scale, &p);

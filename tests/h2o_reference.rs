@@ -31,23 +31,20 @@ mod common;
 use std::collections::BTreeSet;
 
 use h2o_llama::reference::{h2o_attention_head_given_memory, H2oParams, Matrix, MemorySet};
-use h2o_llama::{AttentionCapture, H2oConfig, Session, SessionConfig};
+use h2o_llama::{AttentionCapture, H2oConfig, Selection, Session, SessionConfig};
 
 const S: usize = 128;
 const L: usize = 32;
 const H: usize = 32;
 const N: usize = 3 * S + 40;
 
-fn config() -> SessionConfig {
+fn config(h2o: H2oConfig) -> SessionConfig {
     SessionConfig {
         n_ctx: 1024,
         n_batch: 512,
         n_ubatch: S as u32,
         n_threads: 2,
-        h2o: Some(H2oConfig {
-            local: L as u32,
-            heavy: H as u32,
-        }),
+        h2o: Some(h2o),
         capture_attention: true,
         ..SessionConfig::default()
     }
@@ -87,9 +84,13 @@ fn all_memory_sets(s: &Session<'_>) -> EngineSets {
         .collect()
 }
 
-fn run(tokens: &[i32], calls: &[usize]) -> Run {
+fn run(tokens: &[i32], calls: &[usize], sink: usize) -> Run {
     assert_eq!(calls.iter().sum::<usize>(), tokens.len());
-    let mut s = Session::new(common::model(), config()).unwrap();
+    let h2o = H2oConfig {
+        sink: sink as u32,
+        ..H2oConfig::seed(L as u32, H as u32)
+    };
+    let mut s = Session::new(common::model(), config(h2o)).unwrap();
     let mut captures = Vec::new();
     let mut observed = Vec::new();
     let mut start = 0;
@@ -239,11 +240,18 @@ fn check_memory_set(
 
 /// Compares one run with the reference; returns (max output error, max |V|, swapped heavy
 /// hitters, max score error relative to the score).
-fn compare(run: &Run, given: &[(usize, EngineSets)], label: &str) -> (f64, f64, usize, f64) {
+fn compare(
+    run: &Run,
+    given: &[(usize, EngineSets)],
+    sink: usize,
+    label: &str,
+) -> (f64, f64, usize, f64) {
     let params = H2oParams {
         chunk: S,
         local: L,
         heavy: H,
+        sink,
+        ..Default::default()
     };
     let n_layer = given[0].1.len();
     let (mut max_err, mut max_v, mut swaps, mut max_score_err) = (0f64, 0f64, 0usize, 0f64);
@@ -313,15 +321,25 @@ fn compare(run: &Run, given: &[(usize, EngineSets)], label: &str) -> (f64, f64, 
 
 #[test]
 fn sparse_prefill_matches_the_reference_in_every_layer() {
+    seed_rule_matches_the_reference(0);
+}
+
+/// The seed rule with sinks: positions 0..4 always in memory, out of the heavy budget.
+#[test]
+fn seed_rule_with_sinks_matches_the_reference_in_every_layer() {
+    seed_rule_matches_the_reference(4);
+}
+
+fn seed_rule_matches_the_reference(sink: usize) {
     let tokens = prompt();
-    let aligned = run(&tokens, &[S, S, S, N - 3 * S]);
+    let aligned = run(&tokens, &[S, S, S, N - 3 * S], sink);
     assert_eq!(
         aligned.observed.iter().map(|o| o.0).collect::<Vec<_>>(),
         vec![0, 1, 2],
         "the chunk-aligned calls expose M_0, M_1, M_2"
     );
-    let one_call = run(&tokens, &[N]);
-    let misaligned = run(&tokens, &[100, 150, 174]);
+    let one_call = run(&tokens, &[N], sink);
+    let misaligned = run(&tokens, &[100, 150, 174], sink);
 
     // The final memory sets of all three agree (item 11), so the aligned run's intermediate
     // sets are the ones the single call used inside its one graph.
@@ -342,10 +360,85 @@ fn sparse_prefill_matches_the_reference_in_every_layer() {
         ("chunk-aligned calls", &aligned),
         ("misaligned calls", &misaligned),
     ] {
-        let (err, vmax, swaps, score_err) = compare(r, &aligned.observed, label);
+        let (err, vmax, swaps, score_err) = compare(r, &aligned.observed, sink, label);
         eprintln!(
             "{label}: max |output - reference| = {err:.3e} (max |V| = {vmax:.2}), \
              {swaps} heavy hitters swapped within BF16 ties, max score error {score_err:.2e} (relative)"
         );
+    }
+}
+
+/// Query-aware selection (both block summaries) with sinks and a dense tail, in one call: the
+/// memory of every chunk comes from its own queries and the cache's keys, so the reference
+/// chooses it from the captured Q and K alone and must land on the same blocks; every output
+/// row, the tail's full-attention rows included, must match.
+#[test]
+fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_layer() {
+    const SINK: usize = 4;
+    const TAIL: usize = 24;
+    let tokens = prompt();
+    for select in [Selection::Query, Selection::QueryMean] {
+        let h2o = H2oConfig {
+            select,
+            sink: SINK as u32,
+            dense_tail: TAIL as u32,
+            ..H2oConfig::seed(L as u32, H as u32)
+        };
+        let mut s = Session::new(common::model(), config(h2o)).unwrap();
+        s.evaluate(&tokens).unwrap();
+        let captures = s.take_attention_captures().unwrap();
+        let final_sets = all_memory_sets(&s);
+        assert_eq!(captures.len(), 30, "one capture per layer");
+        for c in &captures {
+            assert_eq!(
+                (c.select, c.sink, c.tail_start),
+                (select as u32, SINK as u32, (N - TAIL) as i32),
+                "{select}: op parameters"
+            );
+        }
+        let params = H2oParams {
+            chunk: S,
+            local: L,
+            heavy: H,
+            select,
+            sink: SINK,
+            tail_start: Some(N - TAIL),
+        };
+        let (mut max_err, mut max_v) = (0f64, 0f64);
+        for (layer, sets) in final_sets.iter().enumerate() {
+            let t = layer_trace(&captures, layer as u32);
+            let group = t.n_head / t.n_head_kv;
+            for (h, engine_set) in sets.iter().enumerate() {
+                let what = format!("{select}: layer {layer} head {h}");
+                let q = head_matrix(&t.q, t.n_head, t.d, h);
+                let k = head_matrix(&t.k, t.n_head_kv, t.d, h / group);
+                let v = head_matrix(&t.v, t.n_head_kv, t.dv, h / group);
+                let r = h2o_attention_head_given_memory(&q, &k, &v, t.scale, &params, &[]);
+                // after the call the engine holds the memory the last chunk read
+                assert_eq!(
+                    engine_set,
+                    &r.memory_sets[N / S - 1],
+                    "{what}: memory of the last chunk"
+                );
+                let vmax = v.data.iter().fold(0f64, |a, x| a.max(x.abs()));
+                max_v = max_v.max(vmax);
+                let tol = 1e-4 * vmax.max(1.0);
+                let engine_out = head_matrix(&t.out, t.n_head, t.dv, h);
+                for i in 0..N {
+                    let err = engine_out
+                        .row(i)
+                        .iter()
+                        .zip(r.output.row(i))
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f64, f64::max);
+                    assert!(
+                        err <= tol,
+                        "{what}: output of position {i} differs by {err} (tolerance {tol})"
+                    );
+                    max_err = max_err.max(err);
+                }
+            }
+        }
+        eprintln!("{select}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})");
     }
 }

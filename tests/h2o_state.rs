@@ -17,7 +17,7 @@ fn h2o_config(local: u32, heavy: u32) -> SessionConfig {
         n_batch: 1024,
         n_ubatch: 256,
         n_threads: 2,
-        h2o: Some(H2oConfig { local, heavy }),
+        h2o: Some(H2oConfig::seed(local, heavy)),
         ..SessionConfig::default()
     }
 }
@@ -180,13 +180,7 @@ fn prompt_within_one_chunk_matches_full_attention() {
     };
     let (f32_path, _, _) = run(None, FlashAttention::Off);
     let (flash, flash_greedy, _) = run(None, FlashAttention::On);
-    let (h2o, h2o_greedy, state) = run(
-        Some(H2oConfig {
-            local: 64,
-            heavy: 64,
-        }),
-        FlashAttention::On,
-    );
+    let (h2o, h2o_greedy, state) = run(Some(H2oConfig::seed(64, 64)), FlashAttention::On);
     let stock_spread = common::max_abs_diff(&f32_path, &flash);
     let d = common::max_abs_diff(&f32_path, &h2o);
     eprintln!(

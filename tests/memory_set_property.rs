@@ -101,10 +101,18 @@ fn engine_rule_equals_the_reference_on_random_states() {
         let n_chunks = 1 + rng.below(6);
         let n = (n_chunks - 1) * s + 1 + rng.below(s); // the last chunk may be partial
         let mode = trial % 5;
+        // a third of the trials keep sinks (0 ..= H of them)
+        let sink = if trial % 3 == 0 {
+            rng.below(heavy + 1)
+        } else {
+            0
+        };
         let params = H2oParams {
             chunk: s,
             local,
             heavy,
+            sink,
+            ..Default::default()
         };
         let mut scores = vec![0u16; n];
         let mut previous: Option<MemorySet> = None;
@@ -115,11 +123,18 @@ fn engine_rule_equals_the_reference_on_random_states() {
                 *score = draw(&mut rng, mode);
             }
             let wide: Vec<f64> = scores.iter().map(|&b| bf16_value(b)).collect();
-            let what =
-                format!("trial {trial} (S {s} L {local} H {heavy} N {n} mode {mode}) chunk {c}");
-            let engine =
-                engine_build_memory_set(&scores, previous.as_ref(), local, heavy, chunk.clone())
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let what = format!(
+                "trial {trial} (S {s} L {local} H {heavy} sink {sink} N {n} mode {mode}) chunk {c}"
+            );
+            let engine = engine_build_memory_set(
+                &scores,
+                previous.as_ref(),
+                local,
+                heavy,
+                sink,
+                chunk.clone(),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
             let reference = build_memory_set(&params, previous.as_ref(), chunk.clone(), &wide);
             assert_eq!(engine, reference, "{what}");
             check_invariants(&engine, chunk.end, local, &what);
@@ -143,6 +158,7 @@ fn engine_rule_refuses_states_it_could_read_out_of_bounds() {
         Some(&prev),
         2,
         2,
+        0,
         32..48
     )));
     // a previous set of the wrong size, a chunk past the scores, no memory at all
@@ -152,11 +168,14 @@ fn engine_rule_refuses_states_it_could_read_out_of_bounds() {
         Some(&short),
         2,
         2,
+        0,
         32..48
     )));
-    assert!(bad(engine_build_memory_set(&scores, None, 2, 2, 48..80)));
-    assert!(bad(engine_build_memory_set(&scores, None, 0, 0, 0..16)));
+    assert!(bad(engine_build_memory_set(&scores, None, 2, 2, 0, 48..80)));
+    assert!(bad(engine_build_memory_set(&scores, None, 0, 0, 0, 0..16)));
     // and a valid one works
-    let ok = engine_build_memory_set(&scores, None, 2, 2, 0..16).unwrap();
+    let ok = engine_build_memory_set(&scores, None, 2, 2, 0, 0..16).unwrap();
     assert_eq!(ok.slots, vec![0, 1, 14, 15]);
+    // a sink larger than the heavy budget
+    assert!(bad(engine_build_memory_set(&scores, None, 2, 2, 3, 0..16)));
 }

@@ -194,10 +194,7 @@ fn bad_session_parameters_are_clear_errors() {
         ),
         (
             SessionConfig {
-                h2o: Some(H2oConfig {
-                    local: 128,
-                    heavy: 128,
-                }),
+                h2o: Some(H2oConfig::seed(128, 128)),
                 ..small_config()
             },
             "must be smaller than the chunk size",

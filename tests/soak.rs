@@ -21,10 +21,7 @@ fn config() -> SessionConfig {
         n_batch: 512,
         n_ubatch: 128,
         n_threads: 2,
-        h2o: Some(H2oConfig {
-            local: 32,
-            heavy: 32,
-        }),
+        h2o: Some(H2oConfig::seed(32, 32)),
         ..SessionConfig::default()
     }
 }

@@ -3,18 +3,115 @@
 
 use crate::error::{Error, Result};
 
+/// How a chunk chooses the heavy part of its memory (`--h2o-select`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Selection {
+    /// The seed rule (`h2o`): after each chunk, the positions with the highest attention
+    /// accumulated from earlier queries.
+    #[default]
+    H2o,
+    /// `query`: each chunk picks blocks of 16 earlier positions by how strongly its own queries
+    /// may attend to them, bounded per channel by the block's key minima and maxima.
+    Query,
+    /// `query-mean`: as `query`, against each block's mean key.
+    QueryMean,
+}
+
+impl Selection {
+    /// Every policy, in the order the CLI lists them.
+    pub const ALL: [Selection; 3] = [Selection::H2o, Selection::Query, Selection::QueryMean];
+
+    /// The name `--h2o-select` takes.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Selection::H2o => "h2o",
+            Selection::Query => "query",
+            Selection::QueryMean => "query-mean",
+        }
+    }
+
+    #[cfg(not(feature = "stock"))]
+    pub(crate) fn to_sys(self) -> crate::sys::llama_h2o_select {
+        match self {
+            Selection::H2o => crate::sys::LLAMA_H2O_SELECT_H2O,
+            Selection::Query => crate::sys::LLAMA_H2O_SELECT_QUERY,
+            Selection::QueryMean => crate::sys::LLAMA_H2O_SELECT_QUERY_MEAN,
+        }
+    }
+}
+
+impl std::fmt::Display for Selection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Selection {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Selection::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Selection::ALL.iter().map(|p| p.name()).collect();
+                Error::InvalidConfig(format!(
+                    "unknown H2O selection policy {s:?}: use one of {}",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
 /// H2O sparse-prefill parameters: the memory each chunk attends to holds the last `local`
-/// tokens of the previous chunk and the `heavy` highest-scoring earlier tokens.
-/// `local = heavy = 0` turns H2O off.
+/// tokens before the chunk and `heavy` more chosen by `select`. `local = heavy = 0` turns H2O
+/// off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct H2oConfig {
     /// L: recent tokens kept from the previous chunk.
     pub local: u32,
-    /// H: heavy hitters kept by accumulated attention score.
+    /// H: the budget `select` fills.
     pub heavy: u32,
+    /// How the heavy part is chosen.
+    pub select: Selection,
+    /// Positions `0 .. sink` always in memory, out of the heavy budget (`--h2o-sink`).
+    pub sink: u32,
+    /// The last `dense_tail` tokens of a prompt attend to the whole prompt (`--h2o-dense-tail`).
+    pub dense_tail: u32,
 }
 
 impl H2oConfig {
+    /// The seed's rule, as SPEC.md defines it: heavy hitters by accumulated attention, no sink,
+    /// no dense tail.
+    #[must_use]
+    pub fn seed(local: u32, heavy: u32) -> Self {
+        Self {
+            local,
+            heavy,
+            ..Self::default()
+        }
+    }
+
+    /// The selection this project recommends (the CLI's defaults), measured in README's
+    /// "Memory selection" table: query-aware blocks, the first positions as sinks, and a dense
+    /// tail for the question at the end of a prompt.
+    #[must_use]
+    pub fn new(local: u32, heavy: u32) -> Self {
+        Self {
+            local,
+            heavy,
+            select: Self::RECOMMENDED_SELECT,
+            sink: Self::RECOMMENDED_SINK.min(heavy),
+            dense_tail: Self::RECOMMENDED_DENSE_TAIL,
+        }
+    }
+
+    pub const RECOMMENDED_SELECT: Selection = Selection::Query;
+    pub const RECOMMENDED_SINK: u32 = 4;
+    pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
+
     /// M = L + H, the memory set size.
     #[must_use]
     pub fn memory_size(&self) -> u64 {
@@ -122,6 +219,19 @@ impl SessionConfig {
                     h2o.local,
                     h2o.heavy,
                     h2o.memory_size()
+                ));
+            }
+            if h2o.sink > h2o.heavy {
+                return bad(format!(
+                    "H2O sink --h2o-sink {} is larger than the heavy budget --h2o-heavy {}: the sink \
+                     positions come out of that budget; lower the sink or raise the budget",
+                    h2o.sink, h2o.heavy
+                ));
+            }
+            if self.n_ctx > 0 && h2o.dense_tail > self.n_ctx {
+                return bad(format!(
+                    "H2O dense tail --h2o-dense-tail {} is longer than the context -c {}: lower it",
+                    h2o.dense_tail, self.n_ctx
                 ));
             }
             if cfg!(feature = "stock") {

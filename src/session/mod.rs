@@ -6,7 +6,7 @@ mod capture;
 mod config;
 mod h2o;
 
-pub use config::{FlashAttention, H2oConfig, SessionConfig};
+pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
 
 use std::ffi::c_void;
@@ -182,6 +182,9 @@ impl<'m> Session<'m> {
             // validate() bounded M = L + H by n_ubatch, so both fit in i32
             cp.h2o_local = h2o.local as i32;
             cp.h2o_heavy = h2o.heavy as i32;
+            cp.h2o_select = h2o.select.to_sys();
+            cp.h2o_sink = h2o.sink as i32; // <= heavy (validate())
+            cp.h2o_dense_tail = i32::try_from(h2o.dense_tail).unwrap_or(i32::MAX);
         }
         let capture = config
             .capture_attention

@@ -404,7 +404,7 @@ void check_build(int n_cases) {
         const size_t smem = h2o_build_smem_bytes(S, M);
         CUDA_OK(cudaFuncSetAttribute(h2o_build, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         h2o_build<<<n_head, H2O_BUILD_THREADS, smem>>>(d_sc.ptr, d_mem.ptr, (size_t) kv*sizeof(uint16_t),
-                (size_t) M*sizeof(int32_t), L, H, c*S, (c + 1)*S, has_previous);
+                (size_t) M*sizeof(int32_t), L, H, 0, c*S, (c + 1)*S, has_previous);
         CUDA_OK(cudaGetLastError());
         const auto got = d_mem.download();
         bool same = true;
@@ -498,7 +498,7 @@ void time_layer_chunk(const head_shape & sh, int S, int L, int H, bool generic_t
         });
         const float tb = timer.us([&] {
             h2o_build<<<sh.n_head, H2O_BUILD_THREADS, plan.build_smem>>>(a.scores, a.mem, a.nb_scores1, a.nb_mem1,
-                    L, H, S, 2*S, true);
+                    L, H, 0, S, 2*S, true);
         });
         if (r >= warmup || profile) {
             t_attn.push_back(ta);

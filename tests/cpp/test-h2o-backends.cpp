@@ -84,12 +84,14 @@ struct call_result {
 
 // one op call: queries of positions [p0, p0 + n) against the state
 call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const std::vector<float> & q_all,
-        int32_t p0, int32_t n, int32_t mem_chunk, int32_t acc_chunk) {
+        int32_t p0, int32_t n, int32_t mem_chunk, int32_t acc_chunk,
+        ggml_h2o_select select = GGML_H2O_SELECT_H2O, int32_t n_sink = 0, int32_t tail_start = INT32_MAX) {
     ggml_init_params ip = { 4*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * q   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, n);
     ggml_tensor * out = ggml_h2o_attn(ctx, q, st.k, st.v, st.scores, st.mem_idx, st.acc,
             p0, sh.S, sh.L, sh.H, mem_chunk, acc_chunk, 1.0f/std::sqrt((float) sh.D));
+    ggml_h2o_attn_set_select(out, select, n_sink, tail_start);
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
 
@@ -197,6 +199,41 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
                     run_call(cpu, ref_st, sh, q, 0, S, -1, -1), run_call(other, got_st, sh, q, 0, S, -1, -1), sh, max_v, exact)) {
             compare("chunk 1 in the next call", name,
                     run_call(cpu, ref_st, sh, q, S, S + 7, 0, -1), run_call(other, got_st, sh, q, S, S + 7, 0, -1), sh, max_v, exact);
+        }
+    }
+    // memory selection: sinks under the seed rule; query-aware blocks (both summaries) with a dense tail
+    const struct {
+        const char    * what;
+        ggml_h2o_select select;
+        int32_t         n_sink;
+        int32_t         tail_start;
+    } policies[] = {
+        { "one call, seed rule with 4 sinks",                    GGML_H2O_SELECT_H2O,        4, INT32_MAX },
+        { "one call, query-aware (bounds), 4 sinks, tail of 24", GGML_H2O_SELECT_QUERY,      4, 3*S + 16  },
+        { "one call, query-aware (means), tail of 60",           GGML_H2O_SELECT_QUERY_MEAN, 0, 3*S - 20  },
+    };
+    for (const auto & p : policies) {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        const int32_t n = 3*S + 40;
+        compare(p.what, name,
+                run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, p.select, p.n_sink, p.tail_start),
+                run_call(other, got_st, sh, q, 0, n, -1, -1, p.select, p.n_sink, p.tail_start), sh, max_v, exact);
+    }
+    // query-aware selection across two calls that split chunk 1: the second part chooses again, after the
+    // first part's memory sums went to their scores (the state after call 1: mem_chunk 0, acc_chunk 1)
+    {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        const int32_t n1 = S + 50;
+        const int32_t n2 = 2*S + 40 - n1;
+        const ggml_h2o_select qs = GGML_H2O_SELECT_QUERY;
+        if (compare("query-aware, call 1 of 2 ending inside chunk 1", name,
+                    run_call(cpu, ref_st, sh, q, 0, n1, -1, -1, qs, 4), run_call(other, got_st, sh, q, 0, n1, -1, -1, qs, 4),
+                    sh, max_v, exact)) {
+            compare("query-aware, call 2 of 2 continuing chunk 1", name,
+                    run_call(cpu, ref_st, sh, q, n1, n2, 0, 1, qs, 4), run_call(other, got_st, sh, q, n1, n2, 0, 1, qs, 4),
+                    sh, max_v, exact);
         }
     }
 }

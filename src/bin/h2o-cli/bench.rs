@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
-use h2o_llama::default_model;
+use h2o_llama::{default_model, H2oConfig};
 
 /// `-b` unless given: the design's `-b 4096 -ub 1024`.
 const DEFAULT_BATCH: u32 = 4096;
@@ -90,6 +90,7 @@ struct Report {
     n_ubatch: u32,
     h2o_local: u32,
     h2o_heavy: u32,
+    h2o: H2oConfig,
     repetitions: u32,
     rows: Vec<Row>,
 }
@@ -192,6 +193,7 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         n_ubatch: args.shape.ubatch_size,
         h2o_local: args.shape.h2o_local,
         h2o_heavy: args.shape.h2o_heavy,
+        h2o: args.shape.config(),
         repetitions: args.repetitions,
         rows,
     };
@@ -223,8 +225,8 @@ fn draw(png: &Path, r: &Report) -> Result<()> {
         .file_stem()
         .map_or_else(|| r.model.clone(), |f| f.to_string_lossy().into_owned());
     let title = format!(
-        "prefill: {model}, -t {} -ub {}, L={} H={}, {} runs (median, min–max)",
-        r.threads, r.n_ubatch, r.h2o_local, r.h2o_heavy, r.repetitions
+        "prefill: {model}, -t {} -ub {}, L={} H={} {}, {} runs (median, min–max)",
+        r.threads, r.n_ubatch, r.h2o_local, r.h2o_heavy, r.h2o.select, r.repetitions
     );
     crate::chart::throughput(png, &title, r.baseline_short, &points)
 }
@@ -289,7 +291,8 @@ fn measure(
         .args(["-n", "0", "--temp", "0", "--json"]);
     if engine == Engine::H2o {
         cmd.args(["--h2o-local", &args.shape.h2o_local.to_string()])
-            .args(["--h2o-heavy", &args.shape.h2o_heavy.to_string()]);
+            .args(["--h2o-heavy", &args.shape.h2o_heavy.to_string()])
+            .args(args.shape.policy.args());
     }
     let out = cmd
         .output()

@@ -119,10 +119,7 @@ fn heavy_sets(session: &Session<'_>, local: u32) -> Result<Vec<Vec<Vec<usize>>>>
 }
 
 pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
-    let h2o = H2oConfig {
-        local: args.shape.h2o_local,
-        heavy: args.shape.h2o_heavy,
-    };
+    let h2o = args.shape.config();
     if h2o.heavy == 0 {
         bail!("--h2o-heavy 0 keeps no heavy hitters: there is nothing to show");
     }

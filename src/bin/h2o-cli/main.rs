@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use h2o_llama::{
     default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, Sampler,
-    SamplerConfig, Session, SessionConfig,
+    SamplerConfig, Selection, Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
@@ -116,6 +116,8 @@ struct Cli {
         allow_negative_numbers = true
     )]
     h2o_heavy: i64,
+    #[command(flatten)]
+    policy: H2oPolicy,
     /// Print one JSON record on stdout instead of text + summary
     #[arg(long)]
     json: bool,
@@ -133,6 +135,46 @@ struct Cli {
     command: Option<Command>,
 }
 
+/// How H2O chooses its memory, as every command takes it; defaults are the library's
+/// recommendation ([`H2oConfig::new`]).
+#[derive(clap::Args, Debug, Clone, Copy)]
+struct H2oPolicy {
+    /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
+    /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean keys)
+    #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
+    select: Selection,
+    /// H2O: the first N positions always stay in memory (out of the heavy budget)
+    #[arg(long = "h2o-sink", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_SINK)]
+    sink: u32,
+    /// H2O: the last T tokens of a prompt attend to the whole prompt
+    #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
+    dense_tail: u32,
+}
+
+impl H2oPolicy {
+    fn config(&self, local: u32, heavy: u32) -> H2oConfig {
+        H2oConfig {
+            local,
+            heavy,
+            select: self.select,
+            sink: self.sink,
+            dense_tail: self.dense_tail,
+        }
+    }
+
+    /// The flags that give this policy to another h2o-cli process.
+    fn args(&self) -> [String; 6] {
+        [
+            "--h2o-select".into(),
+            self.select.to_string(),
+            "--h2o-sink".into(),
+            self.sink.to_string(),
+            "--h2o-dense-tail".into(),
+            self.dense_tail.to_string(),
+        ]
+    }
+}
+
 /// The H2O shape the `bench` and `perplexity` subcommands share: chunk size S and memory L + H,
 /// defaulting to the design's `-ub 1024 --h2o-local 256 --h2o-heavy 256`.
 #[derive(clap::Args, Debug)]
@@ -146,6 +188,14 @@ struct H2oShape {
     /// H2O: heavy hitters H
     #[arg(long, value_name = "H", default_value_t = 256)]
     h2o_heavy: u32,
+    #[command(flatten)]
+    policy: H2oPolicy,
+}
+
+impl H2oShape {
+    fn config(&self) -> H2oConfig {
+        self.policy.config(self.h2o_local, self.h2o_heavy)
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -284,10 +334,10 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             ))
         })
     };
-    let h2o = H2oConfig {
-        local: count("--h2o-local", cli.h2o_local)?,
-        heavy: count("--h2o-heavy", cli.h2o_heavy)?,
-    };
+    let h2o = cli.policy.config(
+        count("--h2o-local", cli.h2o_local)?,
+        count("--h2o-heavy", cli.h2o_heavy)?,
+    );
     let config = SessionConfig {
         n_ctx: cli.ctx_size,
         n_batch: cli.batch_size,

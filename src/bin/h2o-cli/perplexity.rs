@@ -55,26 +55,36 @@ pub struct PerplexityArgs {
     /// Print one JSON record instead of the table
     #[arg(long)]
     json: bool,
-    /// Ablation: also score these H2O shapes (L:H, comma-separated; e.g. 512:0,0:512 for
+    /// Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL]]], comma-separated,
+    /// omitted parts as the library recommends; e.g. 512:0,0:512 for
     /// local-only and heavy-only at the same M as 256:256), against the same full attention,
     /// and print one row per shape (the main shape first; a shape named twice is scored once)
-    #[arg(long, value_name = "L:H,..", value_delimiter = ',', value_parser = parse_shape)]
+    #[arg(long, value_name = "L:H[:P[:S[:T]]],..", value_delimiter = ',', value_parser = parse_shape)]
     ablate: Vec<H2oConfig>,
 }
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
-    let (l, h) = s
-        .split_once(':')
-        .ok_or_else(|| format!("{s:?}: write an H2O shape as L:H, e.g. 256:256"))?;
+    let parts: Vec<&str> = s.split(':').collect();
+    if !(2..=5).contains(&parts.len()) {
+        return Err(format!(
+            "{s:?}: write an H2O shape as L:H[:POLICY[:SINK[:TAIL]]], e.g. 256:256 or 256:256:h2o:0:0"
+        ));
+    }
     let n = |v: &str| {
         v.trim()
             .parse::<u32>()
             .map_err(|e| format!("{s:?}: {v:?} is not a token count ({e})"))
     };
-    let shape = H2oConfig {
-        local: n(l)?,
-        heavy: n(h)?,
-    };
+    let mut shape = H2oConfig::new(n(parts[0])?, n(parts[1])?);
+    if let Some(p) = parts.get(2) {
+        shape.select = p.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+    }
+    if let Some(v) = parts.get(3) {
+        shape.sink = n(v)?;
+    }
+    if let Some(v) = parts.get(4) {
+        shape.dense_tail = n(v)?;
+    }
     if !shape.is_enabled() {
         return Err(format!(
             "{s:?}: L = H = 0 is full attention, which is always scored"
@@ -109,10 +119,7 @@ struct Report {
 }
 
 pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
-    let h2o = H2oConfig {
-        local: args.shape.h2o_local,
-        heavy: args.shape.h2o_heavy,
-    };
+    let h2o = args.shape.config();
     if args.ctx_size < 4 {
         bail!("-c {}: a window needs at least 4 tokens", args.ctx_size);
     }
