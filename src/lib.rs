@@ -33,6 +33,7 @@ pub mod demo;
 #[cfg(not(feature = "stock"))]
 pub mod engine_rule;
 mod error;
+pub mod eval;
 mod model;
 pub mod reference;
 mod sampler;
@@ -45,7 +46,7 @@ pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{Sampler, SamplerConfig};
 pub use session::{
-    FlashAttention, Generation, H2oConfig, H2oState, Session, SessionConfig, Timings,
+    FlashAttention, Generation, H2oConfig, H2oState, Selection, Session, SessionConfig, Timings,
 };
 
 /// Version of the pinned upstream crate whose llama.cpp this library builds.

@@ -293,6 +293,93 @@ pub fn selection_map(path: &Path, map: &SelectionMap<'_>) -> Result<()> {
     drawing(root.present(), path)
 }
 
+/// Needle-in-a-haystack accuracy of one configuration: one cell per (depth, length), green
+/// (all answered) to red (none), grey where nothing ran; the share is written in each cell.
+pub fn accuracy_heatmap(
+    path: &Path,
+    title: &str,
+    depths: &[u32],
+    lengths: &[usize],
+    cells: &[Vec<Option<f64>>],
+) -> Result<()> {
+    register_font()?;
+    let root = BitMapBackend::new(
+        path,
+        (
+            160 + 110 * lengths.len() as u32,
+            140 + 56 * depths.len() as u32,
+        ),
+    )
+    .into_drawing_area();
+    drawing(root.fill(&WHITE), path)?;
+    let mut chart = drawing(
+        ChartBuilder::on(&root)
+            .caption(title, (FONT, 18))
+            .margin(12)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0..lengths.len(), 0..depths.len()),
+        path,
+    )?;
+    drawing(
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("prompt length (tokens)")
+            .y_desc("needle depth")
+            .x_labels(lengths.len() + 1)
+            .y_labels(depths.len() + 1)
+            .x_label_formatter(&|x| {
+                lengths
+                    .get(*x)
+                    .map_or(String::new(), |&l| tokens_label(l as u32))
+            })
+            .y_label_formatter(&|y| depths.get(*y).map_or(String::new(), |d| format!("{d} %")))
+            .label_style((FONT, 15))
+            .axis_desc_style((FONT, 16))
+            .draw(),
+        path,
+    )?;
+    let color = |v: Option<f64>| match v {
+        // red → yellow → green
+        Some(t) if t < 0.5 => RGBColor(220, (60.0 + 330.0 * t) as u8, 60),
+        Some(t) => RGBColor((220.0 - 300.0 * (t - 0.5)) as u8, 200, 80),
+        None => RGBColor(210, 210, 210),
+    };
+    // depth 0 % at the top, as needle-in-a-haystack charts draw it
+    let row = |d: usize| depths.len() - 1 - d;
+    drawing(
+        chart.draw_series(cells.iter().enumerate().flat_map(|(d, by_length)| {
+            by_length.iter().enumerate().map(move |(l, &v)| {
+                Rectangle::new([(l, row(d)), (l + 1, row(d) + 1)], color(v).filled())
+            })
+        })),
+        path,
+    )?;
+    let (w, h) = chart.plotting_area().dim_in_pixel();
+    let (cw, ch) = (
+        w as i32 / lengths.len() as i32,
+        h as i32 / depths.len() as i32,
+    );
+    let area = chart.plotting_area().strip_coord_spec();
+    for (d, by_length) in cells.iter().enumerate() {
+        for (l, v) in by_length.iter().enumerate() {
+            if let Some(v) = v {
+                let (x, y) = (l as i32 * cw + cw / 2 - 14, row(d) as i32 * ch + ch / 2 - 8);
+                drawing(
+                    area.draw(&Text::new(
+                        format!("{:.0} %", v * 100.0),
+                        (x, y),
+                        (FONT, 15),
+                    )),
+                    path,
+                )?;
+            }
+        }
+    }
+    drawing(root.present(), path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,6 +17,7 @@ use h2o_llama::{
 /// Exit codes (documented in README): distinct per failure class.
 mod bench;
 mod chart;
+mod eval;
 mod heavy_hitters;
 mod perplexity;
 
@@ -206,6 +207,9 @@ enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Which tokens H2O keeps as heavy hitters, per layer and head, and how stable the choice is
     HeavyHitters(heavy_hitters::HeavyHittersArgs),
+    /// Long-context tasks (needles, multi-key, variable tracking, key-value lookup) answered by
+    /// full attention and each H2O policy on the same prompts
+    Eval(eval::EvalArgs),
 }
 
 /// llama.cpp spells some flags with a multi-letter single dash (`-ub`, `-fa`, `-ngl`), which
@@ -272,6 +276,7 @@ fn main() -> ExitCode {
         Some(Command::Bench(args)) => bench::run(args, &interrupt),
         Some(Command::Perplexity(args)) => perplexity::run(args, interrupt.clone()),
         Some(Command::HeavyHitters(args)) => heavy_hitters::run(args, interrupt.clone()),
+        Some(Command::Eval(args)) => eval::run(args, interrupt.clone()),
         None => run(&cli, interrupt.clone()),
     };
     match result {

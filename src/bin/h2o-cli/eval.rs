@@ -1,0 +1,223 @@
+//! `h2o-cli eval`: the long-context task suite of `h2o_llama::eval` (needles, multi-key,
+//! multi-value, variable tracking, key-value lookup) at several lengths and depths, answered by
+//! full attention and by each H2O policy on the same prompts in one run.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use h2o_llama::eval::{self, Contender, Task};
+use h2o_llama::{H2oConfig, SessionConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct EvalArgs {
+    /// Model file (GGUF) [default: the default model]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Tasks, comma-separated: passkey, number, word, multi-key, multi-value,
+    /// variable-tracking, kv-lookup [default: all]
+    #[arg(long, value_name = "TASK,..", value_delimiter = ',')]
+    tasks: Vec<Task>,
+    /// Prompt lengths in tokens, comma-separated
+    #[arg(long, value_name = "N,..", value_delimiter = ',', default_values_t = [1024, 2048])]
+    lengths: Vec<usize>,
+    /// Needle depths in percent of the text, comma-separated
+    #[arg(long, value_name = "D,..", value_delimiter = ',', default_values_t = [0, 25, 50, 75, 100])]
+    depths: Vec<u32>,
+    /// Prompts per task, length and depth
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    samples: usize,
+    /// Seed of the generated prompts
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Logical batch
+    #[arg(
+        short = 'b',
+        long = "batch-size",
+        value_name = "N",
+        default_value_t = 4096
+    )]
+    batch_size: u32,
+    #[command(flatten)]
+    shape: crate::H2oShape,
+    /// H2O policies to score besides full attention, comma-separated, each
+    /// POLICY[:SINK[:TAIL]] (the seed rule is h2o:0:0) [default: h2o:0:0 and the --h2o-* flags]
+    #[arg(long, value_name = "P[:S[:T]],..", value_delimiter = ',')]
+    policies: Vec<String>,
+    /// CPU threads
+    #[arg(short = 't', long)]
+    threads: Option<u32>,
+    /// Print one JSON record instead of the table
+    #[arg(long)]
+    json: bool,
+    /// Draw one heatmap per configuration (depth × length) into this folder
+    #[arg(long, value_name = "DIR")]
+    png_dir: Option<PathBuf>,
+}
+
+#[derive(serde::Serialize)]
+struct Record<'a> {
+    prompt: &'a eval::Prompt,
+    answers: Vec<&'a eval::Answer>,
+}
+
+#[derive(serde::Serialize)]
+struct Report<'a> {
+    model: String,
+    seed: u64,
+    n_ubatch: u32,
+    contenders: &'a [Contender],
+    /// correct answers per contender, over all prompts
+    correct: Vec<usize>,
+    prompts: Vec<Record<'a>>,
+}
+
+fn parse_policy(shape: &crate::H2oShape, spec: &str) -> Result<H2oConfig> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    if parts.len() > 3 || parts[0].is_empty() {
+        bail!("--policies {spec:?}: write a policy as POLICY[:SINK[:TAIL]], e.g. query:4:64");
+    }
+    let mut h2o = shape.config();
+    h2o.select = parts[0].parse()?;
+    let n = |v: &str| {
+        v.parse::<u32>()
+            .map_err(|e| anyhow::anyhow!("--policies {spec:?}: {v:?} is not a token count ({e})"))
+    };
+    if let Some(v) = parts.get(1) {
+        h2o.sink = n(v)?;
+    }
+    if let Some(v) = parts.get(2) {
+        h2o.dense_tail = n(v)?;
+    }
+    Ok(h2o)
+}
+
+fn contender_name(h: &H2oConfig) -> String {
+    format!("{} sink {} tail {}", h.select, h.sink, h.dense_tail)
+}
+
+pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    let tasks = if args.tasks.is_empty() {
+        Task::ALL.to_vec()
+    } else {
+        args.tasks.clone()
+    };
+    if args.lengths.is_empty() || args.depths.is_empty() || args.samples == 0 {
+        bail!("nothing to run: give at least one --lengths, one --depths and --samples 1 or more");
+    }
+    let mut contenders = vec![Contender {
+        name: "full attention".into(),
+        h2o: None,
+    }];
+    let specs: Vec<H2oConfig> = if args.policies.is_empty() {
+        vec![
+            H2oConfig::seed(args.shape.h2o_local, args.shape.h2o_heavy),
+            args.shape.config(),
+        ]
+    } else {
+        args.policies
+            .iter()
+            .map(|p| parse_policy(&args.shape, p))
+            .collect::<Result<_>>()?
+    };
+    for h2o in specs {
+        let name = contender_name(&h2o);
+        if !contenders.iter().any(|c| c.name == name) {
+            contenders.push(Contender {
+                name,
+                h2o: Some(h2o),
+            });
+        }
+    }
+    let max_len = *args.lengths.iter().max().unwrap_or(&0);
+    let base = SessionConfig {
+        // room for the prompt (within a sentence of its length) and the answer
+        n_ctx: u32::try_from(max_len + 128).unwrap_or(u32::MAX),
+        n_batch: args.batch_size,
+        n_ubatch: args.shape.ubatch_size,
+        n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
+        ..SessionConfig::default()
+    };
+    for c in &contenders {
+        SessionConfig {
+            h2o: c.h2o,
+            ..base.clone()
+        }
+        .validate()?;
+    }
+    if let Some(dir) = &args.png_dir {
+        std::fs::create_dir_all(dir)?;
+    }
+    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    if max_len + 128 > model.n_ctx_train() as usize {
+        bail!(
+            "--lengths up to {max_len}: the model was trained on {} tokens; use shorter prompts",
+            model.n_ctx_train()
+        );
+    }
+    let prompts = eval::suite(
+        &model,
+        &tasks,
+        &args.lengths,
+        &args.depths,
+        args.samples,
+        args.seed,
+    )?;
+    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let answers = eval::run(
+        &model,
+        &base,
+        &contenders,
+        &prompts,
+        Some(&interrupt),
+        |done, total, name| {
+            if show_progress {
+                eprint!("\r\x1b[Keval: {done}/{total} ({name})");
+            }
+        },
+    )?;
+    if show_progress {
+        eprint!("\r\x1b[K");
+    }
+    if args.json {
+        let report = Report {
+            model: model.path().display().to_string(),
+            seed: args.seed,
+            n_ubatch: args.shape.ubatch_size,
+            contenders: &contenders,
+            correct: answers
+                .iter()
+                .map(|a| eval::score(a, 0..prompts.len()).0)
+                .collect(),
+            prompts: prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| Record {
+                    prompt: p,
+                    answers: answers.iter().map(|a| &a[i]).collect(),
+                })
+                .collect(),
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", eval::markdown(&prompts, &contenders, &answers));
+    }
+    if let Some(dir) = &args.png_dir {
+        for (c, a) in contenders.iter().zip(&answers) {
+            let file = dir.join(format!("eval-{}.png", c.name.replace(' ', "-")));
+            let cells = eval::grid(&prompts, a, &args.depths, &args.lengths);
+            let (ok, n) = eval::score(a, 0..prompts.len());
+            let title = format!(
+                "{}: {ok}/{n} answered (-ub {})",
+                c.name, args.shape.ubatch_size
+            );
+            crate::chart::accuracy_heatmap(&file, &title, &args.depths, &args.lengths, &cells)?;
+            if !args.json {
+                eprintln!("h2o-cli eval: heatmap written to {}", file.display());
+            }
+        }
+    }
+    Ok(())
+}
