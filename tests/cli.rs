@@ -154,6 +154,41 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             "not found",
         ),
         (&["-p", "x", "--no-such-flag"], 2, "--no-such-flag"),
+        (
+            &["-p", "x", "--h2o-select", "nope"],
+            2,
+            "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean",
+        ),
+        (
+            &[
+                "-p",
+                "x",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-sink",
+                "65",
+            ],
+            3,
+            "is larger than the heavy budget --h2o-heavy 64",
+        ),
+        (
+            &[
+                "-p",
+                "x",
+                "-c",
+                "512",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-dense-tail",
+                "600",
+            ],
+            3,
+            "is longer than the context -c 512",
+        ),
     ];
     for (args, code, needle) in cases {
         let o = cli(args);

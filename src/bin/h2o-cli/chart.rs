@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 use anyhow::{anyhow, Context, Result};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 const FONT: &str = "sans-serif";
 
@@ -295,6 +296,7 @@ pub fn selection_map(path: &Path, map: &SelectionMap<'_>) -> Result<()> {
 
 /// Needle-in-a-haystack accuracy of one configuration: one cell per (depth, length), green
 /// (all answered) to red (none), grey where nothing ran; the share is written in each cell.
+/// Depth 0 % is the top row, as needle-in-a-haystack charts draw it.
 pub fn accuracy_heatmap(
     path: &Path,
     title: &str,
@@ -303,14 +305,9 @@ pub fn accuracy_heatmap(
     cells: &[Vec<Option<f64>>],
 ) -> Result<()> {
     register_font()?;
-    let root = BitMapBackend::new(
-        path,
-        (
-            160 + 110 * lengths.len() as u32,
-            140 + 56 * depths.len() as u32,
-        ),
-    )
-    .into_drawing_area();
+    let (n_x, n_y) = (lengths.len(), depths.len());
+    let width = (180 + 110 * n_x as u32).max(560);
+    let root = BitMapBackend::new(path, (width, 150 + 56 * n_y as u32)).into_drawing_area();
     drawing(root.fill(&WHITE), path)?;
     let mut chart = drawing(
         ChartBuilder::on(&root)
@@ -318,23 +315,36 @@ pub fn accuracy_heatmap(
             .margin(12)
             .x_label_area_size(44)
             .y_label_area_size(64)
-            .build_cartesian_2d(0..lengths.len(), 0..depths.len()),
+            .build_cartesian_2d(
+                Ticks {
+                    range: 0.0..n_x as f64,
+                    at: (0..n_x).map(|i| i as f64 + 0.5).collect(),
+                },
+                Ticks {
+                    range: 0.0..n_y as f64,
+                    at: (0..n_y).map(|i| i as f64 + 0.5).collect(),
+                },
+            ),
         path,
     )?;
+    // cell i spans [i, i + 1); row r (from the bottom) shows depths[n_y - 1 - r]
+    let center = |v: &f64| (*v >= 0.0).then_some(*v as usize);
     drawing(
         chart
             .configure_mesh()
             .disable_mesh()
             .x_desc("prompt length (tokens)")
             .y_desc("needle depth")
-            .x_labels(lengths.len() + 1)
-            .y_labels(depths.len() + 1)
-            .x_label_formatter(&|x| {
-                lengths
-                    .get(*x)
+            .x_label_formatter(&|v| {
+                center(v)
+                    .and_then(|i| lengths.get(i))
                     .map_or(String::new(), |&l| tokens_label(l as u32))
             })
-            .y_label_formatter(&|y| depths.get(*y).map_or(String::new(), |d| format!("{d} %")))
+            .y_label_formatter(&|v| {
+                center(v)
+                    .filter(|&r| r < n_y)
+                    .map_or(String::new(), |r| format!("{} %", depths[n_y - 1 - r]))
+            })
             .label_style((FONT, 15))
             .axis_desc_style((FONT, 16))
             .draw(),
@@ -342,41 +352,40 @@ pub fn accuracy_heatmap(
     )?;
     let color = |v: Option<f64>| match v {
         // red → yellow → green
-        Some(t) if t < 0.5 => RGBColor(220, (60.0 + 330.0 * t) as u8, 60),
+        Some(t) if t < 0.5 => RGBColor(220, (60.0 + 280.0 * t) as u8, 60),
         Some(t) => RGBColor((220.0 - 300.0 * (t - 0.5)) as u8, 200, 80),
         None => RGBColor(210, 210, 210),
     };
-    // depth 0 % at the top, as needle-in-a-haystack charts draw it
-    let row = |d: usize| depths.len() - 1 - d;
+    let row = |d: usize| n_y - 1 - d;
     drawing(
         chart.draw_series(cells.iter().enumerate().flat_map(|(d, by_length)| {
             by_length.iter().enumerate().map(move |(l, &v)| {
-                Rectangle::new([(l, row(d)), (l + 1, row(d) + 1)], color(v).filled())
+                Rectangle::new(
+                    [
+                        (l as f64, row(d) as f64),
+                        ((l + 1) as f64, (row(d) + 1) as f64),
+                    ],
+                    color(v).filled(),
+                )
             })
         })),
         path,
     )?;
-    let (w, h) = chart.plotting_area().dim_in_pixel();
-    let (cw, ch) = (
-        w as i32 / lengths.len() as i32,
-        h as i32 / depths.len() as i32,
-    );
-    let area = chart.plotting_area().strip_coord_spec();
-    for (d, by_length) in cells.iter().enumerate() {
-        for (l, v) in by_length.iter().enumerate() {
-            if let Some(v) = v {
-                let (x, y) = (l as i32 * cw + cw / 2 - 14, row(d) as i32 * ch + ch / 2 - 8);
-                drawing(
-                    area.draw(&Text::new(
+    drawing(
+        chart.draw_series(cells.iter().enumerate().flat_map(|(d, by_length)| {
+            by_length.iter().enumerate().filter_map(move |(l, v)| {
+                v.map(|v| {
+                    Text::new(
                         format!("{:.0} %", v * 100.0),
-                        (x, y),
-                        (FONT, 15),
-                    )),
-                    path,
-                )?;
-            }
-        }
-    }
+                        (l as f64 + 0.5, row(d) as f64 + 0.5),
+                        TextStyle::from((FONT, 15).into_font())
+                            .pos(Pos::new(HPos::Center, VPos::Center)),
+                    )
+                })
+            })
+        })),
+        path,
+    )?;
     drawing(root.present(), path)
 }
 

@@ -145,34 +145,32 @@ struct H2oPolicy {
     #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
     select: Selection,
     /// H2O: the first N positions always stay in memory (out of the heavy budget)
-    #[arg(long = "h2o-sink", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_SINK)]
-    sink: u32,
-    /// H2O: the last T tokens of a prompt attend to the whole prompt
+    /// [default: 4, at most --h2o-heavy]
+    #[arg(long = "h2o-sink", value_name = "N")]
+    sink: Option<u32>,
+    /// H2O: the last T tokens of a prompt attend to the whole prompt (a longer tail than the
+    /// prompt covers all of it)
     #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
     dense_tail: u32,
 }
 
 impl H2oPolicy {
     fn config(&self, local: u32, heavy: u32) -> H2oConfig {
-        H2oConfig {
-            local,
-            heavy,
-            select: self.select,
-            sink: self.sink,
-            dense_tail: self.dense_tail,
-        }
+        let mut h2o = H2oConfig::new(local, heavy);
+        h2o.select = self.select;
+        h2o.sink = self.sink.unwrap_or(h2o.sink);
+        h2o.dense_tail = self.dense_tail;
+        h2o
     }
 
     /// The flags that give this policy to another h2o-cli process.
-    fn args(&self) -> [String; 6] {
-        [
-            "--h2o-select".into(),
-            self.select.to_string(),
-            "--h2o-sink".into(),
-            self.sink.to_string(),
-            "--h2o-dense-tail".into(),
-            self.dense_tail.to_string(),
-        ]
+    fn args(&self) -> Vec<String> {
+        let mut a = vec!["--h2o-select".into(), self.select.to_string()];
+        if let Some(sink) = self.sink {
+            a.extend(["--h2o-sink".into(), sink.to_string()]);
+        }
+        a.extend(["--h2o-dense-tail".into(), self.dense_tail.to_string()]);
+        a
     }
 }
 
