@@ -120,7 +120,10 @@ pub struct QuerySelection {
 /// (a block that does not fit is cut). A block's score is the sum over the sampled queries
 /// (`sample`, rows of `q`) of its share in a softmax over the blocks of `scale · q·k̂`, where
 /// `q·k̂` is the per-channel upper bound `Σ_d max(q_d·min_d, q_d·max_d)` of the block's keys
-/// (`Query`) or the product with their mean (`QueryMean`).
+/// (`Query`, `Hybrid`) or the product with their mean (`QueryMean`). Under [`Selection::Hybrid`]
+/// the blocks fill only `⌈(H − |Sink|)/2⌉` positions; the rest go to the candidates outside
+/// the taken blocks with the highest `scores` (the seed rule's accumulated attention), ties to
+/// the lower position.
 #[must_use]
 pub fn select_by_query(
     params: &H2oParams,
@@ -129,11 +132,17 @@ pub fn select_by_query(
     scale: f64,
     chunk_start: usize,
     sample: &[usize],
+    scores: &[f64],
 ) -> QuerySelection {
     let local = chunk_start.saturating_sub(params.local)..chunk_start;
     let sink_end = params.sink.min(local.start);
     let candidates = sink_end..local.start;
     let budget = params.heavy.saturating_sub(sink_end);
+    let by_score = if params.select == Selection::Hybrid {
+        budget / 2
+    } else {
+        0
+    };
     let mut positions: Vec<usize> = (0..sink_end).chain(local).collect();
     let mut blocks = Vec::new();
     if candidates.len() <= budget {
@@ -197,15 +206,26 @@ pub fn select_by_query(
         }
         let mut order: Vec<usize> = (0..ranges.len()).collect();
         order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
-        let mut left = budget;
+        let mut left = budget - by_score;
+        let mut in_blocks = Vec::new();
         for b in order {
             if left == 0 {
                 break;
             }
             let r = ranges[b].start..ranges[b].end.min(ranges[b].start + left);
             left -= r.len();
-            positions.extend(r);
+            in_blocks.extend(r);
         }
+        if by_score > 0 {
+            let mut rest: Vec<usize> = candidates
+                .clone()
+                .filter(|p| !in_blocks.contains(p))
+                .collect();
+            rest.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            rest.truncate(budget - in_blocks.len());
+            positions.extend(rest);
+        }
+        positions.extend(in_blocks);
         blocks = ranges.iter().map(|r| r.start).zip(score).collect();
     }
     positions.sort_unstable();
@@ -374,7 +394,8 @@ pub fn h2o_attention_head_given_memory(
     for (c, chunk) in chunks.iter().enumerate() {
         if c >= 1 && by_query {
             let sample = query_sample(chunk.clone());
-            memory_sets.push(select_by_query(params, q, k, scale, chunk.start, &sample).set);
+            memory_sets
+                .push(select_by_query(params, q, k, scale, chunk.start, &sample, &scores).set);
             build_scores.push(scores.clone());
         }
         if c >= 1 {
@@ -577,7 +598,7 @@ mod tests {
                 sink: 4,
                 ..Default::default()
             };
-            let sel = select_by_query(&params, &q, &k, 0.125, 96, &query_sample(96..128));
+            let sel = select_by_query(&params, &q, &k, 0.125, 96, &query_sample(96..128), &[]);
             let pos: Vec<usize> = sel.set.positions().collect();
             assert_eq!(pos.len(), 32, "{select}: {pos:?}");
             for p in (0..4).chain(88..96).chain(48..64) {

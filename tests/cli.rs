@@ -157,7 +157,7 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
         (
             &["-p", "x", "--h2o-select", "nope"],
             2,
-            "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean",
+            "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean, hybrid",
         ),
         (
             &[

@@ -442,3 +442,102 @@ fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_laye
         eprintln!("{select}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})");
     }
 }
+
+/// Hybrid selection (half the budget by query-aware blocks, half by accumulated scores) with
+/// sinks, in chunk-aligned calls: after each call the engine holds the memory its last chunk
+/// read, which is fed to the reference (as for the seed rule, because the score half ranks BF16
+/// scores where the reference ranks f64 ones). Each engine memory must equal the reference's
+/// choice from the same history, except for positions swapped with candidates whose scores tie
+/// within BF16 precision; every output row must match.
+#[test]
+fn hybrid_selection_matches_the_reference_in_every_layer() {
+    const SINK: usize = 4;
+    let tokens = prompt();
+    let h2o = H2oConfig {
+        select: Selection::Hybrid,
+        sink: SINK as u32,
+        dense_tail: 0,
+        ..H2oConfig::seed(L as u32, H as u32)
+    };
+    let mut s = Session::new(common::model(), config(h2o)).unwrap();
+    let mut captures = Vec::new();
+    // given[c - 1]: the memory chunk c read, per layer and head
+    let mut given: Vec<EngineSets> = Vec::new();
+    let mut start = 0;
+    for n in [S, S, S, N - 3 * S] {
+        s.evaluate(&tokens[start..start + n]).unwrap();
+        captures.extend(s.take_attention_captures().unwrap());
+        if start > 0 {
+            given.push(all_memory_sets(&s));
+        }
+        start += n;
+    }
+    let params = H2oParams {
+        chunk: S,
+        local: L,
+        heavy: H,
+        select: Selection::Hybrid,
+        sink: SINK,
+        tail_start: None,
+    };
+    let (mut max_err, mut swaps) = (0f64, 0usize);
+    for layer in 0..given[0].len() {
+        let t = layer_trace(&captures, layer as u32);
+        let group = t.n_head / t.n_head_kv;
+        for h in 0..t.n_head {
+            let what = format!("hybrid: layer {layer} head {h}");
+            let q = head_matrix(&t.q, t.n_head, t.d, h);
+            let k = head_matrix(&t.k, t.n_head_kv, t.d, h / group);
+            let v = head_matrix(&t.v, t.n_head_kv, t.dv, h / group);
+            let engine: Vec<MemorySet> = given.iter().map(|g| g[layer][h].clone()).collect();
+            let r = h2o_attention_head_given_memory(&q, &k, &v, t.scale, &params, &engine);
+            for (i, e) in engine.iter().enumerate() {
+                let c = i + 1; // the chunk that read it
+                let (pe, pr): (BTreeSet<usize>, BTreeSet<usize>) = (
+                    e.positions().collect(),
+                    r.memory_sets[i].positions().collect(),
+                );
+                assert_eq!(pe.len(), L + H, "{what}: chunk {c} memory size");
+                let only_engine: Vec<usize> = pe.difference(&pr).copied().collect();
+                let only_ref: Vec<usize> = pr.difference(&pe).copied().collect();
+                if only_engine.is_empty() {
+                    continue;
+                }
+                // as check_memory_set: a swap is legitimate within the BF16 rounding of the scores
+                let sc = &r.build_scores[i];
+                let weakest = only_engine
+                    .iter()
+                    .map(|&p| sc[p])
+                    .fold(f64::INFINITY, f64::min);
+                let strongest = only_ref
+                    .iter()
+                    .map(|&p| sc[p])
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let tol = c as f64 * 2f64.powi(-8) * (weakest + strongest) + 1e-5;
+                assert!(
+                    strongest - weakest <= tol,
+                    "{what}: chunk {c}: the engine kept {only_engine:?} (weakest score {weakest}) over \
+                     {only_ref:?} (strongest score {strongest}): not a BF16 tie (tolerance {tol})"
+                );
+                swaps += only_engine.len();
+            }
+            let vmax = v.data.iter().fold(0f64, |a, x| a.max(x.abs()));
+            let tol = 1e-4 * vmax.max(1.0);
+            let engine_out = head_matrix(&t.out, t.n_head, t.dv, h);
+            for i in 0..N {
+                let err = engine_out
+                    .row(i)
+                    .iter()
+                    .zip(r.output.row(i))
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f64, f64::max);
+                assert!(
+                    err <= tol,
+                    "{what}: output of position {i} differs by {err} (tolerance {tol})"
+                );
+                max_err = max_err.max(err);
+            }
+        }
+    }
+    eprintln!("hybrid: max |output - reference| = {max_err:.3e}, {swaps} positions swapped within BF16 ties");
+}

@@ -67,7 +67,7 @@ fn h2o_attention_backends_agree() {
     );
     if skipped {
         assert!(stdout.contains("CPU, 3 threads"), "{stdout}");
-        assert_eq!(n_compared, 12, "{stdout}");
+        assert_eq!(n_compared, 13, "{stdout}");
     }
 }
 

@@ -16,11 +16,19 @@ pub enum Selection {
     Query,
     /// `query-mean`: as `query`, against each block's mean key.
     QueryMean,
+    /// `hybrid`: half of the budget as `query`, the other half by accumulated attention (the seed
+    /// rule's scores) among all other earlier positions.
+    Hybrid,
 }
 
 impl Selection {
     /// Every policy, in the order the CLI lists them.
-    pub const ALL: [Selection; 3] = [Selection::H2o, Selection::Query, Selection::QueryMean];
+    pub const ALL: [Selection; 4] = [
+        Selection::H2o,
+        Selection::Query,
+        Selection::QueryMean,
+        Selection::Hybrid,
+    ];
 
     /// The name `--h2o-select` takes.
     #[must_use]
@@ -29,6 +37,7 @@ impl Selection {
             Selection::H2o => "h2o",
             Selection::Query => "query",
             Selection::QueryMean => "query-mean",
+            Selection::Hybrid => "hybrid",
         }
     }
 
@@ -38,6 +47,7 @@ impl Selection {
             Selection::H2o => crate::sys::LLAMA_H2O_SELECT_H2O,
             Selection::Query => crate::sys::LLAMA_H2O_SELECT_QUERY,
             Selection::QueryMean => crate::sys::LLAMA_H2O_SELECT_QUERY_MEAN,
+            Selection::Hybrid => crate::sys::LLAMA_H2O_SELECT_HYBRID,
         }
     }
 }
@@ -95,8 +105,8 @@ impl H2oConfig {
     }
 
     /// The selection this project recommends (the CLI's defaults), measured in README's
-    /// "Memory selection" table: query-aware blocks, the first positions as sinks, and a dense
-    /// tail for the question at the end of a prompt.
+    /// "Memory selection" table: hybrid (half query-aware blocks, half heavy hitters), the first
+    /// positions as sinks, and a dense tail for the question at the end of a prompt.
     #[must_use]
     pub fn new(local: u32, heavy: u32) -> Self {
         Self {
@@ -108,7 +118,7 @@ impl H2oConfig {
         }
     }
 
-    pub const RECOMMENDED_SELECT: Selection = Selection::Query;
+    pub const RECOMMENDED_SELECT: Selection = Selection::Hybrid;
     pub const RECOMMENDED_SINK: u32 = 4;
     pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
 

@@ -211,6 +211,7 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
         { "one call, seed rule with 4 sinks",                    GGML_H2O_SELECT_H2O,        4, INT32_MAX },
         { "one call, query-aware (bounds), 4 sinks, tail of 24", GGML_H2O_SELECT_QUERY,      4, 3*S + 16  },
         { "one call, query-aware (means), tail of 60",           GGML_H2O_SELECT_QUERY_MEAN, 0, 3*S - 20  },
+        { "one call, hybrid, 4 sinks, tail of 24",               GGML_H2O_SELECT_HYBRID,     4, 3*S + 16  },
     };
     for (const auto & p : policies) {
         state ref_st(cpu, sh, kv_k, kv_v);

@@ -141,7 +141,8 @@ struct Cli {
 #[derive(clap::Args, Debug, Clone, Copy)]
 struct H2oPolicy {
     /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
-    /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean keys)
+    /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
+    /// keys), hybrid (half query, half accumulated attention)
     #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
     select: Selection,
     /// H2O: the first N positions always stay in memory (out of the heavy budget)

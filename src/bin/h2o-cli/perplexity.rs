@@ -61,7 +61,17 @@ pub struct PerplexityArgs {
     /// and print one row per shape (the main shape first; a shape named twice is scored once)
     #[arg(long, value_name = "L:H[:P[:S[:T]]],..", value_delimiter = ',', value_parser = parse_shape)]
     ablate: Vec<H2oConfig>,
+    /// Also measure how much far context each configuration recovers: perplexity of the last
+    /// 1024 tokens of each window given all earlier tokens (full attention and every H2O shape),
+    /// and given only 512 or 0 of them (full attention, a window cut short). Needs -c >= 2048.
+    #[arg(long)]
+    far_context: bool,
 }
+
+/// Tokens at the end of a window that --far-context scores.
+const FAR_TAIL: usize = 1024;
+/// The shortened far contexts --far-context compares with.
+const FAR_CUT: [usize; 2] = [512, 0];
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     let parts: Vec<&str> = s.split(':').collect();
@@ -101,6 +111,34 @@ struct ShapeReport {
     second_half: Summary,
 }
 
+/// --far-context: the last tokens of each window, with all, some or none of the far context.
+#[derive(Debug, serde::Serialize)]
+struct FarContext {
+    /// predictions scored per window (the last FAR_TAIL tokens but the first, which a window cut
+    /// to them starts with)
+    positions: usize,
+    /// full attention with every earlier token of the window
+    ppl_full: f64,
+    /// full attention with only `far_tokens` tokens before the last FAR_TAIL
+    cut: Vec<FarCut>,
+    /// every H2O shape with every earlier token, and the share of the far context's gain it keeps:
+    /// (ppl with no far context − ppl of the shape) / (that − ppl of full attention)
+    shapes: Vec<FarShape>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct FarCut {
+    far_tokens: usize,
+    ppl: f64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct FarShape {
+    h2o: H2oConfig,
+    ppl: f64,
+    recovered_percent: f64,
+}
+
 #[derive(Debug, serde::Serialize)]
 struct Report {
     file: String,
@@ -116,12 +154,20 @@ struct Report {
     second_half: Summary,
     /// with --ablate: every shape scored (the main one first), else empty
     shapes: Vec<ShapeReport>,
+    /// with --far-context
+    far_context: Option<FarContext>,
 }
 
 pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     let h2o = args.shape.config();
     if args.ctx_size < 4 {
         bail!("-c {}: a window needs at least 4 tokens", args.ctx_size);
+    }
+    if args.far_context && (args.ctx_size as usize) < 2 * FAR_TAIL {
+        bail!(
+            "--far-context scores the last {FAR_TAIL} tokens of a window after at least as many: use -c {} or more",
+            2 * FAR_TAIL
+        );
     }
     let base = SessionConfig {
         n_ctx: args.ctx_size,
@@ -182,6 +228,10 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     let n_scored = shapes.len().max(1);
     let mut whole: Vec<Scores> = (0..n_scored).map(|_| Scores::default()).collect();
     let mut second: Vec<Scores> = (0..n_scored).map(|_| Scores::default()).collect();
+    // --far-context: the window's last tokens per shape, and full attention's with the far context cut
+    let far_from = n_ctx.saturating_sub(FAR_TAIL);
+    let mut far: Vec<Scores> = (0..n_scored).map(|_| Scores::default()).collect();
+    let mut far_cut: Vec<Scores> = FAR_CUT.iter().map(|_| Scores::default()).collect();
     for w in 0..windows {
         let mut window: Vec<Token> = tokens[w * n_ctx..(w + 1) * n_ctx].to_vec();
         if let Some(bos) = bos {
@@ -213,6 +263,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
                 for scores in [
                     Some(&mut whole[k]),
                     (pos >= first_second_half).then_some(&mut second[k]),
+                    (args.far_context && pos >= far_from).then_some(&mut far[k]),
                 ]
                 .into_iter()
                 .flatten()
@@ -226,6 +277,32 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             if sparse.is_empty() {
                 // no H2O: compare full attention with itself, which leaves only its perplexity
                 (0..piece.len()).for_each(|i| score(0, i, &log_probs[i]));
+            }
+        }
+        if args.far_context {
+            for (cut, scores) in FAR_CUT.iter().zip(far_cut.iter_mut()) {
+                if show_progress {
+                    eprint!(
+                        "\r\x1b[Kperplexity: window {}/{windows}, {cut} tokens of far context",
+                        w + 1
+                    );
+                }
+                let mut short: Vec<Token> = window[far_from - cut..].to_vec();
+                if let Some(bos) = bos {
+                    short[0] = bos;
+                }
+                full.reset();
+                let mut done = 0;
+                for piece in short.chunks(args.batch_size as usize) {
+                    full.evaluate_with_logits(piece, |i, logits| {
+                        let at = done + i; // index in `short`; position far_from - cut + at
+                        if at >= *cut && at + 1 < short.len() {
+                            let lp = log_softmax(logits);
+                            scores.push(PositionScore::new(&lp, &lp, short[at + 1] as usize));
+                        }
+                    })?;
+                    done += piece.len();
+                }
             }
         }
     }
@@ -243,6 +320,32 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         h2o: shapes.first().copied(),
         whole: whole[0].summary(),
         second_half: second[0].summary(),
+        far_context: args.far_context.then(|| {
+            let ppl_cut: Vec<f64> = far_cut.iter().map(|s| s.summary().ppl_full).collect();
+            let ppl_full = far[0].summary().ppl_full;
+            let ppl_none = ppl_cut[FAR_CUT.len() - 1];
+            FarContext {
+                positions: far[0].len(),
+                ppl_full,
+                cut: FAR_CUT
+                    .iter()
+                    .zip(&ppl_cut)
+                    .map(|(&far_tokens, &ppl)| FarCut { far_tokens, ppl })
+                    .collect(),
+                shapes: shapes
+                    .iter()
+                    .zip(&far)
+                    .map(|(&h2o, s)| {
+                        let ppl = s.summary().ppl_h2o;
+                        FarShape {
+                            h2o,
+                            ppl,
+                            recovered_percent: 100.0 * (ppl_none - ppl) / (ppl_none - ppl_full),
+                        }
+                    })
+                    .collect(),
+            }
+        }),
         shapes: if args.ablate.is_empty() {
             Vec::new()
         } else {
@@ -261,6 +364,9 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", table(&report));
+        if let Some(far) = &report.far_context {
+            print!("{}", far_table(far));
+        }
     }
     Ok(())
 }
@@ -276,24 +382,30 @@ fn table(r: &Report) -> String {
         r.n_batch,
         r.n_ubatch,
         match r.h2o {
-            Some(h) => format!("H2O L = {} H = {}", h.local, h.heavy),
+            Some(h) => format!(
+                "H2O L = {} H = {}, {} sink {} tail {}",
+                h.local, h.heavy, h.select, h.sink, h.dense_tail
+            ),
             None => "full attention only (H2O off)".into(),
         }
     );
     if !r.shapes.is_empty() {
         s.push_str(&format!(
             "ablation, second half of each window ({} positions scored; full attention ppl {:.4})\n\n\
-             | L | H | M | ppl H2O | Δ ppl | KLD mean | KLD p99 | top-1 agreement | Δ ppl, whole window |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+             | L | H | M | select | sink | tail | ppl H2O | Δ ppl | KLD mean | KLD p99 | top-1 agreement | Δ ppl, whole window |\n\
+             |---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
             r.second_half.positions, r.second_half.ppl_full
         ));
         for shape in &r.shapes {
             let p = &shape.second_half;
             s.push_str(&format!(
-                "| {} | {} | {} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.2} % | {:+.2} % |\n",
+                "| {} | {} | {} | {} | {} | {} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.2} % | {:+.2} % |\n",
                 shape.h2o.local,
                 shape.h2o.heavy,
                 shape.h2o.memory_size(),
+                shape.h2o.select,
+                shape.h2o.sink,
+                shape.h2o.dense_tail,
                 p.ppl_h2o,
                 p.delta_ppl_percent,
                 p.kld_mean,
@@ -329,6 +441,37 @@ fn table(r: &Report) -> String {
             p.kld_median,
             p.kld_p99,
             p.top1_agreement_percent
+        ));
+    }
+    s
+}
+
+fn far_table(f: &FarContext) -> String {
+    let mut s = format!(
+        "\nfar context: perplexity of the last {FAR_TAIL} tokens of each window ({} predictions)\n\n\
+         | attention | far context | ppl | far context's gain kept |\n|---|---|---:|---:|\n\
+         | full | all | {:.4} | 100 % |\n",
+        f.positions, f.ppl_full
+    );
+    let ppl_none = f.cut.last().map_or(f64::NAN, |c| c.ppl);
+    for c in &f.cut {
+        s.push_str(&format!(
+            "| full | {} tokens | {:.4} | {:.1} % |\n",
+            c.far_tokens,
+            c.ppl,
+            100.0 * (ppl_none - c.ppl) / (ppl_none - f.ppl_full)
+        ));
+    }
+    for h in &f.shapes {
+        s.push_str(&format!(
+            "| H2O L {} H {} {} sink {} tail {} | all | {:.4} | {:.1} % |\n",
+            h.h2o.local,
+            h.h2o.heavy,
+            h.h2o.select,
+            h.h2o.sink,
+            h.h2o.dense_tail,
+            h.ppl,
+            h.recovered_percent
         ));
     }
     s
