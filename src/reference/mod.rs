@@ -6,11 +6,18 @@
 //! own chunk (intra) and to the memory set `M_{c-1}` (inter). The two partial softmaxes are
 //! merged exactly. Scores start as column sums of the intra attention and grow by the column
 //! sums of the inter attention; after each chunk but the last, the memory set is rebuilt from
-//! the last `L` positions plus the `H` best-scoring other candidates.
+//! the last `L` positions plus the `H` best-scoring other candidates (the seed rule, with
+//! optional sinks). The other policies choose chunk `c`'s memory from its own queries when it
+//! starts ([`select`]); queries of the dense tail attend to every earlier position.
 
 use std::ops::Range;
 
+mod select;
+
 pub use crate::session::Selection;
+pub use select::{
+    query_sample, select_by_query, QuerySelection, SAMPLE_LAST, SAMPLE_STRIDE, SELECT_BLOCK,
+};
 
 /// H2O parameters: chunk size S (`n_ubatch`), local window L, heavy budget H, and how the heavy
 /// part is chosen (`select`, with `sink` positions always kept inside H); queries from
@@ -25,13 +32,6 @@ pub struct H2oParams {
     pub sink: usize,
     pub tail_start: Option<usize>,
 }
-
-/// Positions per block of query-aware selection (`GGML_H2O_BLOCK`).
-pub const SELECT_BLOCK: usize = 16;
-/// Query-aware selection samples the last this-many queries of a chunk…
-pub const SAMPLE_LAST: usize = 32;
-/// …and up to this many more, evenly spread over the rest.
-pub const SAMPLE_STRIDE: usize = 32;
 
 impl H2oParams {
     /// M = L + H.
@@ -92,149 +92,6 @@ pub fn build_memory_set(
     let mut slots: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
     slots.resize(params.memory_size(), -1);
     MemorySet { slots }
-}
-
-/// The queries of `rows` that choose a query-aware memory: the last [`SAMPLE_LAST`], then up
-/// to [`SAMPLE_STRIDE`] evenly spread over the rest.
-#[must_use]
-pub fn query_sample(rows: Range<usize>) -> Vec<usize> {
-    let last0 = rows.end.saturating_sub(SAMPLE_LAST).max(rows.start);
-    let n_rest = last0 - rows.start;
-    let n_pick = n_rest.min(SAMPLE_STRIDE);
-    (last0..rows.end)
-        .chain((0..n_pick).map(|k| rows.start + k * n_rest / n_pick))
-        .collect()
-}
-
-/// A query-aware memory and what chose it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct QuerySelection {
-    pub set: MemorySet,
-    /// `(first position, score)` of every candidate block, in position order
-    pub blocks: Vec<(usize, f64)>,
-}
-
-/// The memory of the chunk starting at `chunk_start` under [`Selection::Query`] or
-/// [`Selection::QueryMean`]: Local `[start − L, start)`, Sink `[0, sink)`, and the best blocks of
-/// [`SELECT_BLOCK`] positions of `[sink, start − L)` until `H − |Sink|` positions are taken
-/// (a block that does not fit is cut). A block's score is the sum over the sampled queries
-/// (`sample`, rows of `q`) of its share in a softmax over the blocks of `scale · q·k̂`, where
-/// `q·k̂` is the per-channel upper bound `Σ_d max(q_d·min_d, q_d·max_d)` of the block's keys
-/// (`Query`, `Hybrid`) or the product with their mean (`QueryMean`). Under [`Selection::Hybrid`]
-/// the blocks fill only `⌈(H − |Sink|)/2⌉` positions; the rest go to the candidates outside
-/// the taken blocks with the highest `scores` (the seed rule's accumulated attention), ties to
-/// the lower position.
-#[must_use]
-pub fn select_by_query(
-    params: &H2oParams,
-    q: &Matrix,
-    k: &Matrix,
-    scale: f64,
-    chunk_start: usize,
-    sample: &[usize],
-    scores: &[f64],
-) -> QuerySelection {
-    let local = chunk_start.saturating_sub(params.local)..chunk_start;
-    let sink_end = params.sink.min(local.start);
-    let candidates = sink_end..local.start;
-    let budget = params.heavy.saturating_sub(sink_end);
-    let by_score = if params.select == Selection::Hybrid {
-        budget / 2
-    } else {
-        0
-    };
-    let mut positions: Vec<usize> = (0..sink_end).chain(local).collect();
-    let mut blocks = Vec::new();
-    if candidates.len() <= budget {
-        positions.extend(candidates);
-    } else {
-        let ranges: Vec<Range<usize>> = (candidates.start / SELECT_BLOCK
-            ..candidates.end.div_ceil(SELECT_BLOCK))
-            .map(|b| {
-                (b * SELECT_BLOCK).max(candidates.start)
-                    ..((b + 1) * SELECT_BLOCK).min(candidates.end)
-            })
-            .collect();
-        let summaries: Vec<(Vec<f64>, Vec<f64>)> = ranges
-            .iter()
-            .map(|r| {
-                let d = k.cols;
-                if params.select == Selection::QueryMean {
-                    let mut mean = vec![0.0; d];
-                    for j in r.clone() {
-                        for (m, x) in mean.iter_mut().zip(k.row(j)) {
-                            *m += x;
-                        }
-                    }
-                    let n = r.len() as f64;
-                    (mean.iter().map(|m| m / n).collect(), vec![])
-                } else {
-                    let mut lo = vec![f64::INFINITY; d];
-                    let mut hi = vec![f64::NEG_INFINITY; d];
-                    for j in r.clone() {
-                        for ((l, h), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(k.row(j)) {
-                            *l = l.min(x);
-                            *h = h.max(x);
-                        }
-                    }
-                    (lo, hi)
-                }
-            })
-            .collect();
-        let mut score = vec![0.0; ranges.len()];
-        for &i in sample {
-            let qi: Vec<f64> = q.row(i).iter().map(|x| x * scale).collect();
-            let logits: Vec<f64> = summaries
-                .iter()
-                .map(|(lo, hi)| {
-                    if params.select == Selection::QueryMean {
-                        dot(&qi, lo)
-                    } else {
-                        qi.iter()
-                            .zip(lo.iter().zip(hi))
-                            .map(|(x, (l, h))| (x * l).max(x * h))
-                            .sum()
-                    }
-                })
-                .collect();
-            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
-            let sum: f64 = e.iter().sum();
-            for (s, x) in score.iter_mut().zip(&e) {
-                *s += x / sum;
-            }
-        }
-        let mut order: Vec<usize> = (0..ranges.len()).collect();
-        order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
-        let mut left = budget - by_score;
-        let mut in_blocks = Vec::new();
-        for b in order {
-            if left == 0 {
-                break;
-            }
-            let r = ranges[b].start..ranges[b].end.min(ranges[b].start + left);
-            left -= r.len();
-            in_blocks.extend(r);
-        }
-        if by_score > 0 {
-            let mut rest: Vec<usize> = candidates
-                .clone()
-                .filter(|p| !in_blocks.contains(p))
-                .collect();
-            rest.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-            rest.truncate(budget - in_blocks.len());
-            positions.extend(rest);
-        }
-        positions.extend(in_blocks);
-        blocks = ranges.iter().map(|r| r.start).zip(score).collect();
-    }
-    positions.sort_unstable();
-    let mut slots: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    slots.resize(params.memory_size(), -1);
-    QuerySelection {
-        set: MemorySet { slots },
-        blocks,
-    }
 }
 
 /// Unnormalised softmax state of one query row over some keys: running max `m`, sum of
@@ -303,7 +160,7 @@ impl Matrix {
     }
 }
 
-fn dot(a: &[f64], b: &[f64]) -> f64 {
+pub(crate) fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
@@ -573,44 +430,6 @@ mod tests {
             );
         }
         r
-    }
-
-    #[test]
-    fn query_selection_keeps_local_sinks_and_the_block_the_queries_point_at() {
-        // keys 0..96 random but small; block [48, 64) gets keys along the direction every
-        // query of chunk 96..128 looks in, so it must be chosen whatever else happens
-        let mut rng = Rng(11);
-        let n = 128;
-        let mut k = rng.matrix(n, D, 0.1);
-        let mut q = rng.matrix(n, D, 0.1);
-        for j in 48..64 {
-            k.data[j * D] = 4.0;
-        }
-        for i in 96..128 {
-            q.data[i * D] = 4.0;
-        }
-        for select in [Selection::Query, Selection::QueryMean] {
-            let params = H2oParams {
-                chunk: 32,
-                local: 8,
-                heavy: 24,
-                select,
-                sink: 4,
-                ..Default::default()
-            };
-            let sel = select_by_query(&params, &q, &k, 0.125, 96, &query_sample(96..128), &[]);
-            let pos: Vec<usize> = sel.set.positions().collect();
-            assert_eq!(pos.len(), 32, "{select}: {pos:?}");
-            for p in (0..4).chain(88..96).chain(48..64) {
-                assert!(pos.contains(&p), "{select}: {p} missing from {pos:?}");
-            }
-            // the sample: the last 32 rows of the chunk part, no more here
-            assert_eq!(query_sample(96..128).len(), 32);
-        }
-        // with more rows than SAMPLE_LAST, the rest is sampled by stride, all inside the rows
-        let sample = query_sample(100..300);
-        assert_eq!(sample.len(), SAMPLE_LAST + SAMPLE_STRIDE);
-        assert!(sample.iter().all(|i| (100..300).contains(i)));
     }
 
     #[test]
