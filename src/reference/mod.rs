@@ -8,7 +8,7 @@
 //! sums of the inter attention; after each chunk but the last, the memory set is rebuilt from
 //! the last `L` positions plus the `H` best-scoring other candidates (the seed rule, with
 //! optional sinks). The other policies choose chunk `c`'s memory from its own queries when it
-//! starts ([`select`]); queries of the dense tail attend to every earlier position.
+//! starts ([`select_by_query`]); queries of the dense tail attend to every earlier position.
 
 use std::ops::Range;
 
