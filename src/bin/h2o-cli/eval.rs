@@ -42,9 +42,14 @@ pub struct EvalArgs {
     batch_size: u32,
     #[command(flatten)]
     shape: crate::H2oShape,
-    /// H2O policies to score besides full attention, comma-separated, each
-    /// POLICY[:SINK[:TAIL]] (the seed rule is h2o:0:0) [default: h2o:0:0 and the --h2o-* flags]
-    #[arg(long, value_name = "P[:S[:T]],..", value_delimiter = ',')]
+    // (help as an attribute: rustdoc would read the brackets as links)
+    #[arg(
+        long,
+        value_name = "P[:S[:T]],..",
+        value_delimiter = ',',
+        help = "H2O policies to score besides full attention, comma-separated, each \
+                POLICY[:SINK[:TAIL]] (the seed rule is h2o:0:0) [default: h2o:0:0 and the --h2o-* flags]"
+    )]
     policies: Vec<String>,
     /// CPU threads
     #[arg(short = 't', long)]

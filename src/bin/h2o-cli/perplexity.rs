@@ -55,11 +55,17 @@ pub struct PerplexityArgs {
     /// Print one JSON record instead of the table
     #[arg(long)]
     json: bool,
-    /// Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL]]], comma-separated,
-    /// omitted parts as the library recommends; e.g. 512:0,0:512 for
-    /// local-only and heavy-only at the same M as 256:256), against the same full attention,
-    /// and print one row per shape (the main shape first; a shape named twice is scored once)
-    #[arg(long, value_name = "L:H[:P[:S[:T]]],..", value_delimiter = ',', value_parser = parse_shape)]
+    // (help as an attribute: rustdoc would read the brackets as links)
+    #[arg(
+        long,
+        value_name = "L:H[:P[:S[:T]]],..",
+        value_delimiter = ',',
+        value_parser = parse_shape,
+        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL]]], comma-separated, \
+                omitted parts as the library recommends; e.g. 512:0,0:512 for local-only and heavy-only \
+                at the same M as 256:256), against the same full attention, and print one row per shape \
+                (the main shape first; a shape named twice is scored once)"
+    )]
     ablate: Vec<H2oConfig>,
     /// Also measure how much far context each configuration recovers: perplexity of the last
     /// 1024 tokens of each window given all earlier tokens (full attention and every H2O shape),
