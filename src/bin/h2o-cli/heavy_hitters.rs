@@ -2,7 +2,9 @@
 //!
 //! The prompt is prefilled one chunk per `llama_decode` call (which gives the same memory sets
 //! as one call: `tests/h2o_state.rs`), and after every chunk each (layer, query head)'s memory
-//! set is read back. Its heavy hitters are the positions outside the local window. Reported:
+//! set is read back. Its heavy hitters are the positions outside the local window (with a
+//! query-aware policy: the memory the chunk read, chosen by its queries; the dense tail is off,
+//! since every one of these calls ends a prompt). Reported:
 //! - how much the heavy hitters of consecutive chunks overlap (Jaccard), per layer: H2O's premise
 //!   is that a token that drew attention keeps drawing it;
 //! - how much the final heavy hitters of two runs overlap: this run and a second one that
@@ -17,7 +19,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use h2o_llama::{demo, H2oConfig, Session, SessionConfig, Token};
+use h2o_llama::{demo, H2oConfig, Selection, Session, SessionConfig, Token};
 
 #[derive(clap::Args, Debug)]
 pub struct HeavyHittersArgs {
@@ -100,12 +102,17 @@ struct Report {
     final_heavy: Vec<Vec<Vec<usize>>>,
 }
 
-/// The heavy hitters of every (layer, head) after the chunks done so far: memory-set positions
-/// outside the local window `[end − L, end)`, where `end` is the last complete chunk's end.
-fn heavy_sets(session: &Session<'_>, local: u32) -> Result<Vec<Vec<Vec<usize>>>> {
+/// The heavy part of every (layer, head)'s memory after the chunks done so far: the positions
+/// outside its local window. The seed rule holds `M_c`, built after the last complete chunk c,
+/// whose window ends where that chunk ends; the query-aware policies hold the memory chunk c
+/// read, whose window ends where chunk c starts.
+fn heavy_sets(session: &Session<'_>, h2o: &H2oConfig) -> Result<Vec<Vec<Vec<usize>>>> {
     let st = session.h2o_state().expect("an H2O session has H2O state");
-    let end = (st.chunks_done * st.chunk_size) as usize;
-    let window = end.saturating_sub(local as usize)..end;
+    let mut end = (st.chunks_done * st.chunk_size) as usize;
+    if h2o.select != Selection::H2o {
+        end = end.saturating_sub(st.chunk_size as usize);
+    }
+    let window = end.saturating_sub(h2o.local as usize)..end;
     (0..st.n_layer)
         .map(|layer| {
             (0..st.n_head)
@@ -119,7 +126,12 @@ fn heavy_sets(session: &Session<'_>, local: u32) -> Result<Vec<Vec<Vec<usize>>>>
 }
 
 pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
-    let h2o = args.shape.config();
+    // no dense tail: every chunk-by-chunk call below ends a prompt, and its tail would make the two
+    // runs differ in more than batching
+    let h2o = H2oConfig {
+        dense_tail: 0,
+        ..args.shape.config()
+    };
     if h2o.heavy == 0 {
         bail!("--h2o-heavy 0 keeps no heavy hitters: there is nothing to show");
     }
@@ -180,7 +192,7 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         if chunk.len() < s {
             break; // a partial last chunk builds no memory set
         }
-        let sets = heavy_sets(&a, h2o.local)?;
+        let sets = heavy_sets(&a, &h2o)?;
         sets_per_head += 1;
         for (l, heads) in sets.iter().enumerate() {
             for (h, set) in heads.iter().enumerate() {
@@ -206,18 +218,20 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     };
     drop(a);
 
-    // Run B: the whole prompt in one call, on another thread count.
+    // Run B: the complete chunks in one call, on another thread count (a query-aware policy would
+    // otherwise hold the memory the partial last chunk read, which run A never reads).
+    let complete = &tokens[..tokens.len() / s * s];
     if show_progress {
         eprint!(
             "\r\x1b[Kheavy-hitters: second run, one call, -t {}",
             args.vs_threads
         );
     }
-    let whole = u32::try_from(tokens.len())?;
+    let whole = u32::try_from(complete.len())?;
     let mut b = Session::new(&model, config(whole, args.vs_threads, n_ctx))?;
     b.set_interrupt_flag(interrupt);
-    b.evaluate(&tokens)?;
-    let final_b = heavy_sets(&b, h2o.local)?;
+    b.evaluate(complete)?;
+    let final_b = heavy_sets(&b, &h2o)?;
     drop(b);
     if show_progress {
         eprint!("\r\x1b[K");
