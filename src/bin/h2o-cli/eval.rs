@@ -11,6 +11,10 @@ use anyhow::{bail, Result};
 use h2o_llama::eval::{self, Contender, Task};
 use h2o_llama::{H2oConfig, SessionConfig};
 
+/// Context beyond a prompt's nominal length: its last sentence may run over, and the answer
+/// follows it.
+const ANSWER_ROOM: usize = 128;
+
 #[derive(clap::Args, Debug)]
 pub struct EvalArgs {
     /// Model file (GGUF) [default: the default model]
@@ -138,8 +142,7 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     }
     let max_len = *args.lengths.iter().max().unwrap_or(&0);
     let base = SessionConfig {
-        // room for the prompt (within a sentence of its length) and the answer
-        n_ctx: u32::try_from(max_len + 128).unwrap_or(u32::MAX),
+        n_ctx: u32::try_from(max_len + ANSWER_ROOM).unwrap_or(u32::MAX),
         n_batch: args.batch_size,
         n_ubatch: args.shape.ubatch_size,
         n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
@@ -156,10 +159,13 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         std::fs::create_dir_all(dir)?;
     }
     let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
-    if max_len + 128 > model.n_ctx_train() as usize {
+    let n_train = model.n_ctx_train() as usize;
+    if max_len + ANSWER_ROOM > n_train {
         bail!(
-            "--lengths up to {max_len}: the model was trained on {} tokens; use shorter prompts",
-            model.n_ctx_train()
+            "--lengths up to {max_len}: a prompt and its answer need {} tokens of context, more than \
+             the {n_train} the model was trained on; use lengths up to {}",
+            max_len + ANSWER_ROOM,
+            n_train.saturating_sub(ANSWER_ROOM)
         );
     }
     let prompts = eval::suite(
