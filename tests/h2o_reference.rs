@@ -189,6 +189,35 @@ fn head_matrix(data: &[f32], n_heads: usize, width: usize, h: usize) -> Matrix {
     Matrix::new(rows, width, m)
 }
 
+/// Checks head `h`'s engine output against the reference's, row by row, within the tolerance
+/// explained at the top; returns (max error, max |V|).
+fn assert_outputs_match(
+    t: &LayerTrace,
+    h: usize,
+    v: &Matrix,
+    reference: &Matrix,
+    what: &str,
+) -> (f64, f64) {
+    let vmax = v.data.iter().fold(0f64, |a, x| a.max(x.abs()));
+    let tol = 1e-4 * vmax.max(1.0);
+    let engine_out = head_matrix(&t.out, t.n_head, t.dv, h);
+    let mut max_err = 0f64;
+    for i in 0..N {
+        let err = engine_out
+            .row(i)
+            .iter()
+            .zip(reference.row(i))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f64, f64::max);
+        assert!(
+            err <= tol,
+            "{what}: output of position {i} differs by {err} (tolerance {tol})"
+        );
+        max_err = max_err.max(err);
+    }
+    (max_err, vmax)
+}
+
 /// Heavy hitters of `set` after a chunk ending at `end`: the positions outside the local window.
 fn heavy_part(set: &MemorySet, end: usize) -> BTreeSet<usize> {
     set.positions().filter(|&p| p + L < end).collect()
@@ -281,23 +310,9 @@ fn compare(
                 );
             }
 
-            let vmax = v.data.iter().fold(0f64, |a, x| a.max(x.abs()));
+            let (err, vmax) = assert_outputs_match(&t, h, &v, &r.output, &what);
+            max_err = max_err.max(err);
             max_v = max_v.max(vmax);
-            let tol = 1e-4 * vmax.max(1.0);
-            let engine_out = head_matrix(&t.out, t.n_head, t.dv, h);
-            for i in 0..N {
-                let err = engine_out
-                    .row(i)
-                    .iter()
-                    .zip(r.output.row(i))
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f64, f64::max);
-                assert!(
-                    err <= tol,
-                    "{what}: output of position {i} differs by {err} (tolerance {tol})"
-                );
-                max_err = max_err.max(err);
-            }
 
             // the BF16 scores after the last completed chunk (chunk 3's own sums are still in
             // the F32 accumulator) against the reference's scores at that build
@@ -420,23 +435,9 @@ fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_laye
                     &r.memory_sets[N / S - 1],
                     "{what}: memory of the last chunk"
                 );
-                let vmax = v.data.iter().fold(0f64, |a, x| a.max(x.abs()));
+                let (err, vmax) = assert_outputs_match(&t, h, &v, &r.output, &what);
+                max_err = max_err.max(err);
                 max_v = max_v.max(vmax);
-                let tol = 1e-4 * vmax.max(1.0);
-                let engine_out = head_matrix(&t.out, t.n_head, t.dv, h);
-                for i in 0..N {
-                    let err = engine_out
-                        .row(i)
-                        .iter()
-                        .zip(r.output.row(i))
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0f64, f64::max);
-                    assert!(
-                        err <= tol,
-                        "{what}: output of position {i} differs by {err} (tolerance {tol})"
-                    );
-                    max_err = max_err.max(err);
-                }
             }
         }
         eprintln!("{select}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})");
@@ -521,22 +522,8 @@ fn hybrid_selection_matches_the_reference_in_every_layer() {
                 );
                 swaps += only_engine.len();
             }
-            let vmax = v.data.iter().fold(0f64, |a, x| a.max(x.abs()));
-            let tol = 1e-4 * vmax.max(1.0);
-            let engine_out = head_matrix(&t.out, t.n_head, t.dv, h);
-            for i in 0..N {
-                let err = engine_out
-                    .row(i)
-                    .iter()
-                    .zip(r.output.row(i))
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f64, f64::max);
-                assert!(
-                    err <= tol,
-                    "{what}: output of position {i} differs by {err} (tolerance {tol})"
-                );
-                max_err = max_err.max(err);
-            }
+            let (err, _) = assert_outputs_match(&t, h, &v, &r.output, &what);
+            max_err = max_err.max(err);
         }
     }
     eprintln!("hybrid: max |output - reference| = {max_err:.3e}, {swaps} positions swapped within BF16 ties");
