@@ -242,14 +242,25 @@ fn check_memory_set(
     );
     let (he, hr) = (heavy_part(engine, end), heavy_part(reference, end));
     assert_eq!(he.len(), H, "{what}: heavy hitters in the engine's set");
-    let only_engine: Vec<usize> = he.difference(&hr).copied().collect();
-    let only_ref: Vec<usize> = hr.difference(&he).copied().collect();
+    // each position's score was rounded once per chunk it was settled in: at most c + 1 times
+    assert_bf16_ties(&he, &hr, scores, c + 1, what)
+}
+
+/// Checks that the positions only the engine kept (`engine` minus `reference`) were swapped for
+/// the reference's only with candidates that tie within BF16 precision: every score was rounded
+/// at most `roundings` times, each time by at most 2^-8 of its value. Returns the swaps.
+fn assert_bf16_ties(
+    engine: &BTreeSet<usize>,
+    reference: &BTreeSet<usize>,
+    scores: &[f64],
+    roundings: usize,
+    what: &str,
+) -> usize {
+    let only_engine: Vec<usize> = engine.difference(reference).copied().collect();
+    let only_ref: Vec<usize> = reference.difference(engine).copied().collect();
     if only_engine.is_empty() {
         return 0;
     }
-    // A swap is legitimate when the engine's choice and the reference's differ by no more than
-    // BF16 rounding: each position's score was rounded once per chunk it was settled in, at most
-    // c + 1 times, each time by at most 2^-8 of its value.
     let weakest_engine = only_engine
         .iter()
         .map(|&p| scores[p])
@@ -258,7 +269,7 @@ fn check_memory_set(
         .iter()
         .map(|&p| scores[p])
         .fold(f64::NEG_INFINITY, f64::max);
-    let tol = (c + 1) as f64 * 2f64.powi(-8) * (weakest_engine + strongest_ref) + 1e-5;
+    let tol = roundings as f64 * 2f64.powi(-8) * (weakest_engine + strongest_ref) + 1e-5;
     assert!(
         strongest_ref - weakest_engine <= tol,
         "{what}: the engine kept {only_engine:?} (weakest score {weakest_engine}) over {only_ref:?} \
@@ -499,28 +510,14 @@ fn hybrid_selection_matches_the_reference_in_every_layer() {
                     r.memory_sets[i].positions().collect(),
                 );
                 assert_eq!(pe.len(), L + H, "{what}: chunk {c} memory size");
-                let only_engine: Vec<usize> = pe.difference(&pr).copied().collect();
-                let only_ref: Vec<usize> = pr.difference(&pe).copied().collect();
-                if only_engine.is_empty() {
-                    continue;
-                }
-                // as check_memory_set: a swap is legitimate within the BF16 rounding of the scores
-                let sc = &r.build_scores[i];
-                let weakest = only_engine
-                    .iter()
-                    .map(|&p| sc[p])
-                    .fold(f64::INFINITY, f64::min);
-                let strongest = only_ref
-                    .iter()
-                    .map(|&p| sc[p])
-                    .fold(f64::NEG_INFINITY, f64::max);
-                let tol = c as f64 * 2f64.powi(-8) * (weakest + strongest) + 1e-5;
-                assert!(
-                    strongest - weakest <= tol,
-                    "{what}: chunk {c}: the engine kept {only_engine:?} (weakest score {weakest}) over \
-                     {only_ref:?} (strongest score {strongest}): not a BF16 tie (tolerance {tol})"
+                // the scores chunk c ranked were rounded at most c times (chunks 0 .. c - 1)
+                swaps += assert_bf16_ties(
+                    &pe,
+                    &pr,
+                    &r.build_scores[i],
+                    c,
+                    &format!("{what}: chunk {c}"),
                 );
-                swaps += only_engine.len();
             }
             let (err, _) = assert_outputs_match(&t, h, &v, &r.output, &what);
             max_err = max_err.max(err);
