@@ -27,6 +27,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // ---------------------------------------------------------------------------------------------
@@ -780,6 +781,96 @@ static void test_context_api(llama_model * model) {
     llama_free(ctx);
 }
 
+// the per-sequence state API (llama_state_seq_*) carries the H2O state (patch 0010): a sequence saved after
+// prompt A and restored into a fresh context continues with B exactly as the saving context does; a context with
+// other H2O settings, or none, refuses it
+static void test_seq_state(llama_model * model) {
+    const auto make_ctx = [&](int32_t L_, int32_t H_) {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx     = 1024;
+        cp.n_batch   = 512;
+        cp.n_ubatch  = 128;
+        cp.n_seq_max = 1;
+        cp.n_threads = cp.n_threads_batch = 2;
+        cp.h2o_local = L_;
+        cp.h2o_heavy = H_;
+        return llama_init_from_model(model, cp);
+    };
+    const auto decode = [](llama_context * ctx, std::vector<llama_token> & toks, llama_pos pos0) {
+        llama_batch batch = llama_batch_init(toks.size(), 0, 1);
+        for (size_t i = 0; i < toks.size(); ++i) {
+            batch.token[i]     = toks[i];
+            batch.pos[i]       = pos0 + (llama_pos) i;
+            batch.n_seq_id[i]  = 1;
+            batch.seq_id[i][0] = 0;
+            batch.logits[i]    = i + 1 == toks.size();
+        }
+        batch.n_tokens = toks.size();
+        const int rc = llama_decode(ctx, batch);
+        llama_batch_free(batch);
+        return rc;
+    };
+    // every score of the stored positions and every memory set, as the C API reads them
+    const auto snapshot = [](llama_context * ctx, int32_t n_pos) {
+        llama_h2o_info info;
+        llama_h2o_get_info(ctx, &info);
+        std::vector<float> out;
+        std::vector<float>   sc(n_pos);
+        std::vector<int32_t> idx(info.n_memory);
+        for (int32_t il = 0; il < info.n_layer; ++il) {
+            for (int32_t ih = 0; ih < info.n_head; ++ih) {
+                llama_h2o_get_scores(ctx, il, ih, 0, n_pos, sc.data());
+                llama_h2o_get_memory_indices(ctx, il, ih, idx.data(), idx.size());
+                out.insert(out.end(), sc.begin(), sc.end());
+                out.insert(out.end(), idx.begin(), idx.end());
+            }
+        }
+        out.push_back(info.n_chunks_done);
+        out.push_back(info.n_tokens_done);
+        return out;
+    };
+
+    std::vector<llama_token> a(300), b(150);
+    for (size_t i = 0; i < a.size(); ++i) a[i] = 200 + (int) (i*7 % 5000);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = 300 + (int) (i*11 % 5000);
+
+    llama_context * src = make_ctx(32, 32);
+    CHECK(src && decode(src, a, 0) == 0, "decode A");
+    if (!src) {
+        return;
+    }
+    const std::vector<float> after_a = snapshot(src, 300);
+    std::vector<uint8_t> state(llama_state_seq_get_size(src, 0));
+    CHECK(llama_state_seq_get_data(src, state.data(), state.size(), 0) == state.size(), "seq state saved");
+
+    llama_context * dst = make_ctx(32, 32);
+    CHECK(llama_state_seq_set_data(dst, state.data(), state.size(), 0) == state.size(), "seq state restored");
+    CHECK(llama_memory_seq_pos_max(llama_get_memory(dst), 0) == 299, "restored positions");
+    CHECK(snapshot(dst, 300) == after_a, "H2O state after the restore differs from the saved one");
+
+    CHECK(decode(src, b, 300) == 0 && decode(dst, b, 300) == 0, "decode B");
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    const float * la = llama_get_logits_ith(src, -1);
+    const float * lb = llama_get_logits_ith(dst, -1);
+    CHECK(la && lb && memcmp(la, lb, n_vocab*sizeof(float)) == 0, "logits after B differ");
+    CHECK(snapshot(src, 450) == snapshot(dst, 450), "H2O state after B differs");
+
+    // refused before anything changes: the context keeps its sequence
+    for (const auto & [L_, H_, says] : { std::tuple{ 32, 64, "h2o_heavy" }, std::tuple{ 0, 0, "saved with H2O on" } }) {
+        llama_context * other = make_ctx(L_, H_);
+        CHECK(other && decode(other, b, 0) == 0, "decode into the other context");
+        captured_log.clear();
+        CHECK(llama_state_seq_set_data(other, state.data(), state.size(), 0) == 0, "L %d H %d accepted the state", L_, H_);
+        CHECK(captured_log.find(says) != std::string::npos, "refusal for L %d H %d does not say \"%s\": %s", L_, H_, says,
+                captured_log.c_str());
+        CHECK(llama_memory_seq_pos_max(llama_get_memory(other), 0) == 149, "a refused state changed the sequence");
+        llama_free(other);
+    }
+
+    llama_free(dst);
+    llama_free(src);
+}
+
 // ---------------------------------------------------------------------------------------------
 // benchmarks (seed 001): figures, not asserts
 // ---------------------------------------------------------------------------------------------
@@ -905,6 +996,7 @@ int main(int argc, char ** argv) {
         { "random cases vs the rule",        [&] { test_random_cases(*model); } },
         { "reset",                           [&] { test_reset(*model); } },
         { "C API",                           [&] { test_context_api(model); } },
+        { "per-sequence state",              [&] { test_seq_state(model); } },
     };
 
     int n_failed_tests = 0;
