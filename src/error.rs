@@ -125,6 +125,18 @@ pub enum Error {
 
     #[error("attention capture: {0}")]
     Capture(String),
+
+    #[error("cannot save the session state to {to}: {reason}")]
+    StateSave { to: String, reason: String },
+
+    /// `session` says what the session holds afterwards: a refusal before anything changed
+    /// leaves it as it was; a state that failed part-way leaves it empty (never half loaded).
+    #[error("cannot load the session state from {from}: {reason} ({session})")]
+    StateLoad {
+        from: String,
+        reason: String,
+        session: &'static str,
+    },
 }
 
 impl From<std::ffi::NulError> for Error {

@@ -5,9 +5,11 @@
 mod capture;
 mod config;
 mod h2o;
+mod state;
 
 pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
+pub use state::PromptCache;
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -127,6 +129,8 @@ pub struct Session<'m> {
     config: SessionConfig,
     n_ctx: u32,
     n_past: u32,
+    /// The tokens in the cache, in order (`n_past` of them): what a saved state records.
+    tokens: Vec<Token>,
     has_logits: bool,
     interrupt: Option<Arc<AtomicBool>>,
     /// Filled by llama.cpp's eval callback when `capture_attention` is on; boxed so that the
@@ -220,6 +224,7 @@ impl<'m> Session<'m> {
             config,
             n_ctx,
             n_past: 0,
+            tokens: Vec::new(),
             has_logits: false,
             interrupt: None,
             capture,
@@ -251,6 +256,13 @@ impl<'m> Session<'m> {
         self.n_past
     }
 
+    /// The tokens in the KV cache, in order: what the session has evaluated since it was
+    /// created, reset or loaded (prompt and generated tokens).
+    #[must_use]
+    pub fn tokens(&self) -> &[Token] {
+        &self.tokens
+    }
+
     /// Registers a flag that, once set (e.g. by a Ctrl-C handler), makes the running and every
     /// later evaluation stop with [`Error::Interrupted`].
     pub fn set_interrupt_flag(&mut self, flag: Arc<AtomicBool>) {
@@ -274,6 +286,7 @@ impl<'m> Session<'m> {
             sink.clear();
         }
         self.n_past = 0;
+        self.tokens.clear();
         self.has_logits = false;
     }
 
@@ -305,6 +318,7 @@ impl<'m> Session<'m> {
             self.batch.fill(piece, self.n_past, last);
             self.decode_batch()?;
             self.n_past += piece.len() as u32;
+            self.tokens.extend_from_slice(piece);
             done += piece.len();
             progress(done, tokens.len());
         }
@@ -382,6 +396,7 @@ impl<'m> Session<'m> {
                 each(done + i, row);
             }
             self.n_past += piece.len() as u32;
+            self.tokens.extend_from_slice(piece);
             done += piece.len();
         }
         self.has_logits = true;

@@ -1,0 +1,352 @@
+//! Saving and loading a session: its tokens, its KV cache and, with H2O, the scores, memory sets,
+//! chunk sums and chunk bookkeeping that go with them (patch 0010). The format is llama.cpp's
+//! session file (`llama_state_save_file`), so llama.cpp's own tools read what this writes and the
+//! other way round; [`Session::state_bytes`] is the same bytes in memory.
+//!
+//! A state is refused, never half loaded: a state from another model, with other H2O settings,
+//! without H2O state for an H2O session (or with it for a full-attention one) is refused before
+//! the session changes; one that fails part-way (a truncated file) leaves the session empty.
+
+use std::ffi::CString;
+use std::path::Path;
+
+use super::Session;
+use crate::backend;
+use crate::error::{Error, Result};
+use crate::model::Token;
+use crate::sys;
+
+/// Bytes before the tokens: magic, version, token count.
+const HEADER_BYTES: usize = 12;
+
+/// What [`Session::load_prompt_cache`] did with a prompt-cache file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptCache {
+    /// There is no such file yet.
+    Missing,
+    /// The file's tokens begin the prompt: they were loaded, and the rest of the prompt is
+    /// `prompt[tokens..]`.
+    Reused { tokens: usize },
+    /// The file's tokens (`cached` of them) do not begin the prompt, or are all of it: nothing
+    /// was loaded. `common` is how many leading tokens agree.
+    Unused { common: usize, cached: usize },
+}
+
+/// The header of a session state: the tokens it holds, and where its llama.cpp state begins.
+#[derive(Debug)]
+struct Header {
+    tokens: Vec<Token>,
+    state_offset: usize,
+}
+
+fn parse_header(bytes: &[u8], n_ctx: u32) -> std::result::Result<Header, String> {
+    let u32_at = |at: usize| {
+        bytes
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let (Some(magic), Some(version), Some(n_tokens)) = (u32_at(0), u32_at(4), u32_at(8)) else {
+        return Err(format!(
+            "{} bytes are too short for a llama.cpp session state",
+            bytes.len()
+        ));
+    };
+    if magic != sys::LLAMA_SESSION_MAGIC {
+        return Err(format!(
+            "not a llama.cpp session state (magic {magic:#010x}, expected {:#010x})",
+            sys::LLAMA_SESSION_MAGIC
+        ));
+    }
+    if version != sys::LLAMA_SESSION_VERSION {
+        return Err(format!(
+            "session state version {version}, this build reads version {}",
+            sys::LLAMA_SESSION_VERSION
+        ));
+    }
+    if n_tokens > n_ctx {
+        return Err(format!(
+            "the state holds {n_tokens} tokens, the context has room for {n_ctx}: create the session \
+             with a larger context (-c)"
+        ));
+    }
+    let state_offset = HEADER_BYTES + 4 * n_tokens as usize;
+    if bytes.len() < state_offset {
+        return Err(format!(
+            "truncated: {} bytes, its {n_tokens} tokens alone need {state_offset}",
+            bytes.len()
+        ));
+    }
+    let tokens = bytes[HEADER_BYTES..state_offset]
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Ok(Header {
+        tokens,
+        state_offset,
+    })
+}
+
+/// How many leading tokens `a` and `b` share.
+fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Session<'_> {
+    /// Saves the session (its tokens, KV cache and H2O state) to `path` in llama.cpp's
+    /// session-file format. Logits are not part of a state: after a load, evaluate at least one
+    /// token before sampling.
+    ///
+    /// # Errors
+    /// [`Error::StateSave`] when the file cannot be written.
+    pub fn save_state(&mut self, path: &Path) -> Result<()> {
+        let to = path.display().to_string();
+        let c_path =
+            CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::StateSave {
+                to: to.clone(),
+                reason: "the path contains a NUL byte".into(),
+            })?;
+        backend::clear_recent_log();
+        // SAFETY: valid context; the token slice outlives the call.
+        let ok = unsafe {
+            sys::llama_state_save_file(
+                self.ctx.as_ptr(),
+                c_path.as_ptr(),
+                self.tokens.as_ptr(),
+                self.tokens.len(),
+            )
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::StateSave {
+                to,
+                reason: backend::recent_log_reason(),
+            })
+        }
+    }
+
+    /// The session's state as bytes, the same as [`Session::save_state`] writes to a file.
+    ///
+    /// # Errors
+    /// [`Error::StateSave`] when llama.cpp cannot serialise the state.
+    pub fn state_bytes(&mut self) -> Result<Vec<u8>> {
+        let failed = |reason: String| Error::StateSave {
+            to: "memory".into(),
+            reason,
+        };
+        let n_tokens =
+            u32::try_from(self.tokens.len()).map_err(|_| failed("too many tokens".into()))?;
+        backend::clear_recent_log();
+        // SAFETY: valid context.
+        let size = unsafe { sys::llama_state_get_size(self.ctx.as_ptr()) };
+        if size == 0 {
+            return Err(failed(backend::recent_log_reason()));
+        }
+        let mut bytes = Vec::with_capacity(HEADER_BYTES + 4 * self.tokens.len() + size);
+        bytes.extend_from_slice(&sys::LLAMA_SESSION_MAGIC.to_le_bytes());
+        bytes.extend_from_slice(&sys::LLAMA_SESSION_VERSION.to_le_bytes());
+        bytes.extend_from_slice(&n_tokens.to_le_bytes());
+        for t in &self.tokens {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        let offset = bytes.len();
+        bytes.resize(offset + size, 0);
+        // SAFETY: `size` writable bytes from `offset`, as llama_state_get_size asked for.
+        let written = unsafe {
+            sys::llama_state_get_data(self.ctx.as_ptr(), bytes[offset..].as_mut_ptr(), size)
+        };
+        if written == 0 || written > size {
+            return Err(failed(backend::recent_log_reason()));
+        }
+        bytes.truncate(offset + written);
+        Ok(bytes)
+    }
+
+    /// Replaces the session's content with a state saved by [`Session::save_state`] (or by
+    /// llama.cpp's `llama_state_save_file` with the same model and settings).
+    ///
+    /// # Errors
+    /// [`Error::StateLoad`] naming the problem (no such file, not a session state, another
+    /// model, other H2O settings, H2O state missing or unexpected, truncated) and what the
+    /// session holds afterwards: unchanged when refused up front, empty when the state failed
+    /// part-way.
+    pub fn load_state(&mut self, path: &Path) -> Result<()> {
+        let from = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| Error::StateLoad {
+            from: from.clone(),
+            reason: e.to_string(),
+            session: "the session is unchanged",
+        })?;
+        self.load_state_from(&bytes, from)
+    }
+
+    /// [`Session::load_state`] from bytes made by [`Session::state_bytes`] (or read from a
+    /// session file).
+    ///
+    /// # Errors
+    /// As [`Session::load_state`].
+    pub fn load_state_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        self.load_state_from(bytes, "memory".into())
+    }
+
+    fn load_state_from(&mut self, bytes: &[u8], from: String) -> Result<()> {
+        let header = parse_header(bytes, self.n_ctx).map_err(|reason| Error::StateLoad {
+            from: from.clone(),
+            reason,
+            session: "the session is unchanged",
+        })?;
+        let state = &bytes[header.state_offset..];
+        backend::clear_recent_log();
+        // SAFETY: valid context; llama.cpp reads at most `state.len()` bytes.
+        let read =
+            unsafe { sys::llama_state_set_data(self.ctx.as_ptr(), state.as_ptr(), state.len()) };
+        let reason = if read == 0 {
+            Some(backend::recent_log_reason())
+        } else if read != state.len() {
+            Some(format!(
+                "{} bytes follow the state llama.cpp read ({read} of {}): a damaged file, or one \
+                 saved with other settings",
+                state.len() - read,
+                state.len()
+            ))
+        } else {
+            let n_cached = self.cached_positions();
+            (n_cached != header.tokens.len()).then(|| {
+                format!(
+                    "the state lists {} tokens but its cache holds {n_cached} positions",
+                    header.tokens.len()
+                )
+            })
+        };
+        if let Some(reason) = reason {
+            // llama.cpp refuses a foreign or mismatched state before it changes the cache and
+            // empties the cache when a state fails part-way; anything else is not trusted.
+            let unchanged = read == 0 && self.cached_positions() == self.n_past as usize;
+            let session = if unchanged {
+                "the session is unchanged"
+            } else {
+                self.reset();
+                "the session was emptied"
+            };
+            return Err(Error::StateLoad {
+                from,
+                reason,
+                session,
+            });
+        }
+        if let Some(sink) = &self.capture {
+            sink.clear();
+        }
+        self.n_past = header.tokens.len() as u32; // <= n_ctx (parse_header)
+        self.tokens = header.tokens;
+        self.has_logits = false;
+        Ok(())
+    }
+
+    /// Positions the cache holds for the session's sequence (0 when empty).
+    fn cached_positions(&self) -> usize {
+        // SAFETY: valid context and its memory.
+        let pos_max =
+            unsafe { sys::llama_memory_seq_pos_max(sys::llama_get_memory(self.ctx.as_ptr()), 0) };
+        usize::try_from(pos_max + 1).unwrap_or(0)
+    }
+
+    /// llama-cli's `--prompt-cache`: when the state saved at `path` holds tokens that begin
+    /// `prompt` (and are not all of it, since a state has no logits), loads it into this empty
+    /// session, so that only `prompt[tokens..]` remains to evaluate. Otherwise the session stays
+    /// empty (the state is still loaded once, to check that it fits); after evaluating the
+    /// prompt, [`Session::save_state`] to `path` refreshes it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the session is not empty; [`Error::StateLoad`] when the
+    /// file cannot be read, is not a session state, or does not fit this session (another
+    /// model, other H2O settings): a cache made for other settings is not silently replaced.
+    pub fn load_prompt_cache(&mut self, path: &Path, prompt: &[Token]) -> Result<PromptCache> {
+        if self.n_past > 0 {
+            return Err(Error::InvalidConfig(
+                "a prompt cache is loaded into an empty session: reset it first".into(),
+            ));
+        }
+        let from = path.display().to_string();
+        let bytes = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(PromptCache::Missing),
+            Err(e) => {
+                return Err(Error::StateLoad {
+                    from,
+                    reason: e.to_string(),
+                    session: "the session is unchanged",
+                })
+            }
+        };
+        let header = parse_header(&bytes, self.n_ctx).map_err(|reason| Error::StateLoad {
+            from: from.clone(),
+            reason,
+            session: "the session is unchanged",
+        })?;
+        let cached = header.tokens.len();
+        let common = common_prefix(&header.tokens, prompt);
+        // loaded even when it will not be used, as llama-cli does: that checks it was made for
+        // this model and these settings before the caller overwrites it
+        self.load_state_from(&bytes, from)?;
+        if cached == 0 || common < cached || cached == prompt.len() {
+            self.reset();
+            return Ok(PromptCache::Unused { common, cached });
+        }
+        Ok(PromptCache::Reused { tokens: cached })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(tokens: &[Token], tail: &[u8]) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&sys::LLAMA_SESSION_MAGIC.to_le_bytes());
+        b.extend_from_slice(&sys::LLAMA_SESSION_VERSION.to_le_bytes());
+        b.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+        for t in tokens {
+            b.extend_from_slice(&t.to_le_bytes());
+        }
+        b.extend_from_slice(tail);
+        b
+    }
+
+    #[test]
+    fn header_gives_tokens_and_state_offset() {
+        let h = parse_header(&state(&[5, 6, 7], b"xyz"), 10).unwrap();
+        assert_eq!(h.tokens, vec![5, 6, 7]);
+        assert_eq!(h.state_offset, 24);
+    }
+
+    #[test]
+    fn bad_headers_name_the_problem() {
+        let short = parse_header(&[1, 2, 3], 10).unwrap_err();
+        assert!(short.contains("too short"), "{short}");
+        let mut foreign = state(&[1], b"");
+        foreign[0] ^= 0xff;
+        let foreign = parse_header(&foreign, 10).unwrap_err();
+        assert!(
+            foreign.contains("not a llama.cpp session state"),
+            "{foreign}"
+        );
+        let mut version = state(&[1], b"");
+        version[4] = version[4].wrapping_add(1);
+        let version = parse_header(&version, 10).unwrap_err();
+        assert!(version.contains("version"), "{version}");
+        let big = parse_header(&state(&[1, 2, 3], b""), 2).unwrap_err();
+        assert!(big.contains("larger context"), "{big}");
+        let mut cut = state(&[1, 2, 3], b"");
+        cut.truncate(20);
+        let cut = parse_header(&cut, 10).unwrap_err();
+        assert!(cut.contains("truncated"), "{cut}");
+    }
+
+    #[test]
+    fn common_prefix_counts_leading_agreement() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+        assert_eq!(common_prefix(&[1, 2], &[1, 2, 3]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+    }
+}

@@ -1,0 +1,296 @@
+//! Saved sessions (issue 18, item 1; patch 0010): a state saved after prompt A and loaded into a
+//! fresh session continues with B exactly as a session that ran A then B — logits, generated
+//! tokens and the whole H2O state, for the seed rule and the default policy, from a file and from
+//! bytes — and every state that does not fit is refused with a message naming the problem, leaving
+//! the session usable.
+#![cfg(not(feature = "stock"))]
+
+mod common;
+
+use std::path::Path;
+
+use h2o_llama::{
+    Error, H2oConfig, PromptCache, Sampler, SamplerConfig, Selection, Session, SessionConfig, Token,
+};
+
+fn config(h2o: Option<H2oConfig>) -> SessionConfig {
+    SessionConfig {
+        n_ctx: 1024,
+        n_batch: 512,
+        n_ubatch: 128,
+        n_threads: 2,
+        h2o,
+        ..SessionConfig::default()
+    }
+}
+
+/// Prompt A (two chunks and part of a third, so column sums of a chunk in progress are saved)
+/// and its continuation B.
+fn prompts() -> (Vec<Token>, Vec<Token>) {
+    let tokens = common::model()
+        .tokenize(&h2o_llama::demo::prompt(40), true, true)
+        .unwrap();
+    assert!(
+        tokens.len() >= 520,
+        "demo prompt too short: {}",
+        tokens.len()
+    );
+    (tokens[..300].to_vec(), tokens[300..520].to_vec())
+}
+
+/// Everything the H2O state holds that the API shows: progress, every memory set and every score
+/// of the stored positions.
+fn h2o_snapshot(s: &Session<'_>) -> (String, Vec<Vec<i32>>, Vec<Vec<f32>>) {
+    let st = s.h2o_state().expect("H2O state");
+    let mut sets = Vec::new();
+    let mut scores = Vec::new();
+    for layer in 0..st.n_layer {
+        for head in 0..st.n_head {
+            sets.push(s.h2o_memory_set(layer, head).unwrap().slots);
+            scores.push(s.h2o_scores(layer, head, 0..s.n_past()).unwrap());
+        }
+    }
+    let progress = format!(
+        "chunks {} tokens {} memory {}",
+        st.chunks_done, st.tokens_done, st.memory_initialized
+    );
+    (progress, sets, scores)
+}
+
+fn greedy(s: &mut Session<'_>, n: usize) -> Vec<Token> {
+    let mut sampler = Sampler::new(&SamplerConfig {
+        temperature: 0.0,
+        ..SamplerConfig::default()
+    })
+    .unwrap();
+    s.generate(&[], &mut sampler, n, |_| true).unwrap().tokens
+}
+
+/// What a session that ran A then B holds, and the tokens it generates next.
+struct Expected {
+    logits: Vec<f32>,
+    h2o: (String, Vec<Vec<i32>>, Vec<Vec<f32>>),
+    generated: Vec<Token>,
+}
+
+fn run_through(h2o: H2oConfig, a: &[Token], b: &[Token]) -> Expected {
+    let mut s = Session::new(common::model(), config(Some(h2o))).unwrap();
+    s.evaluate(a).unwrap();
+    s.evaluate(b).unwrap();
+    let logits = s.logits().unwrap().to_vec();
+    let h2o = h2o_snapshot(&s);
+    let generated = greedy(&mut s, 8);
+    Expected {
+        logits,
+        h2o,
+        generated,
+    }
+}
+
+fn assert_continues(what: &str, s: &mut Session<'_>, b: &[Token], want: &Expected) {
+    s.evaluate(b).unwrap();
+    assert!(
+        s.logits().unwrap() == want.logits.as_slice(),
+        "{what}: logits after B differ from a session that never saved (max |Δ| {})",
+        common::max_abs_diff(s.logits().unwrap(), &want.logits)
+    );
+    let h2o = h2o_snapshot(s);
+    assert_eq!(h2o.0, want.h2o.0, "{what}: H2O progress");
+    assert!(h2o.1 == want.h2o.1, "{what}: memory sets differ");
+    assert!(h2o.2 == want.h2o.2, "{what}: scores differ");
+    assert_eq!(greedy(s, 8), want.generated, "{what}: generated tokens");
+}
+
+#[test]
+fn a_saved_state_continues_exactly_as_if_never_saved() {
+    let m = common::model();
+    let (a, b) = prompts();
+    let dir = common::scratch("saved-state");
+    let policies = [
+        ("seed rule", H2oConfig::seed(32, 32)),
+        (
+            "default (hybrid, sinks, dense tail)",
+            H2oConfig::new(32, 32),
+        ),
+    ];
+    for (name, h2o) in policies {
+        let want = run_through(h2o, &a, &b);
+
+        let mut first = Session::new(m, config(Some(h2o))).unwrap();
+        first.evaluate(&a).unwrap();
+        let after_a = h2o_snapshot(&first);
+        assert_eq!(after_a.0, "chunks 2 tokens 256 memory true", "{name}");
+        let path = dir.join(format!("{}.session", name.len()));
+        first.save_state(&path).unwrap();
+        let bytes = first.state_bytes().unwrap();
+        assert_eq!(
+            bytes,
+            std::fs::read(&path).unwrap(),
+            "{name}: bytes and file differ"
+        );
+
+        let mut loaded = Session::new(m, config(Some(h2o))).unwrap();
+        loaded.load_state(&path).unwrap();
+        assert_eq!(loaded.tokens(), a.as_slice(), "{name}");
+        assert_eq!(loaded.n_past() as usize, a.len(), "{name}");
+        assert!(loaded.logits().is_none(), "{name}: a state holds no logits");
+        assert!(
+            h2o_snapshot(&loaded) == after_a,
+            "{name}: H2O state after load"
+        );
+        assert_continues(&format!("{name}, from a file"), &mut loaded, &b, &want);
+
+        // into a session that already held something: the load replaces it
+        let mut reused = Session::new(m, config(Some(h2o))).unwrap();
+        reused.evaluate(&b[..50]).unwrap();
+        reused.load_state_bytes(&bytes).unwrap();
+        assert_continues(&format!("{name}, from bytes"), &mut reused, &b, &want);
+    }
+}
+
+fn load_error(s: &mut Session<'_>, path: &Path) -> String {
+    match s.load_state(path) {
+        Err(e @ Error::StateLoad { .. }) => e.to_string(),
+        other => panic!(
+            "expected a StateLoad error for {}, got {other:?}",
+            path.display()
+        ),
+    }
+}
+
+#[test]
+fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
+    let m = common::model();
+    let (a, b) = prompts();
+    let dir = common::scratch("refused-state");
+    let save = |h2o: Option<H2oConfig>, name: &str| {
+        let mut s = Session::new(m, config(h2o)).unwrap();
+        s.evaluate(&a).unwrap();
+        let path = dir.join(name);
+        s.save_state(&path).unwrap();
+        path
+    };
+    let seed = H2oConfig::seed(32, 32);
+    let h2o_state = save(Some(seed), "h2o.session");
+    let full_state = save(None, "full.session");
+
+    // each refusal happens before the session changes: it keeps B and continues as before
+    let cases: Vec<(Option<H2oConfig>, &Path, &str)> = vec![
+        (Some(H2oConfig::seed(32, 64)), &h2o_state, "h2o_heavy"),
+        (
+            Some(H2oConfig {
+                select: Selection::Hybrid,
+                ..seed
+            }),
+            &h2o_state,
+            "h2o_select",
+        ),
+        (Some(seed), &full_state, "holds no H2O state"),
+        (None, &h2o_state, "saved with H2O on"),
+    ];
+    for (h2o, path, needle) in cases {
+        let mut s = Session::new(m, config(h2o)).unwrap();
+        s.evaluate(&b[..100]).unwrap();
+        let before = s.logits().unwrap().to_vec();
+        let msg = load_error(&mut s, path);
+        assert!(msg.contains(needle), "{msg}");
+        assert!(msg.contains("the session is unchanged"), "{msg}");
+        assert_eq!(s.tokens(), &b[..100]);
+        assert!(s.logits().unwrap() == before.as_slice());
+        s.evaluate(&b[100..110]).unwrap();
+    }
+
+    // damaged files: never half loaded
+    let bytes = std::fs::read(&h2o_state).unwrap();
+    let truncated = dir.join("truncated.session");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
+    let foreign = dir.join("foreign.session");
+    std::fs::write(
+        &foreign,
+        "This is a text file, not a saved session.\n".repeat(20),
+    )
+    .unwrap();
+    let extended = dir.join("extended.session");
+    std::fs::write(&extended, [bytes.as_slice(), b"trailing"].concat()).unwrap();
+    let missing = dir.join("missing.session");
+    let damaged: Vec<(&Path, &str)> = vec![
+        (&truncated, "the session was emptied"),
+        (&extended, "follow the state"),
+        (&foreign, "not a llama.cpp session state"),
+        (&missing, "missing.session"),
+    ];
+    for (path, needle) in damaged {
+        let mut s = Session::new(m, config(Some(seed))).unwrap();
+        s.evaluate(&b[..100]).unwrap();
+        let msg = load_error(&mut s, path);
+        assert!(msg.contains(needle), "{}: {msg}", path.display());
+        // usable: whatever it kept, it continues as a session with those tokens would
+        let kept = s.tokens().to_vec();
+        let next = &a[..40];
+        s.evaluate(next).unwrap();
+        let mut fresh = Session::new(m, config(Some(seed))).unwrap();
+        fresh
+            .evaluate(&[kept.as_slice(), next].concat())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let d = common::max_abs_diff(s.logits().unwrap(), fresh.logits().unwrap());
+        // one call and two give the same logits up to float rounding (tests/h2o_state.rs)
+        assert!(
+            d == 0.0 || (!kept.is_empty() && d < 1e-2),
+            "{}: max |Δ| {d} against a fresh session",
+            path.display()
+        );
+    }
+}
+
+#[test]
+fn the_prompt_cache_is_used_only_for_a_prompt_it_begins() {
+    let m = common::model();
+    let (a, b) = prompts();
+    let ab = [a.as_slice(), b.as_slice()].concat();
+    let dir = common::scratch("prompt-cache");
+    let path = dir.join("prompt.cache");
+    let h2o = Some(H2oConfig::new(32, 32));
+
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    assert_eq!(
+        s.load_prompt_cache(&path, &a).unwrap(),
+        PromptCache::Missing
+    );
+    s.evaluate(&a).unwrap();
+    s.save_state(&path).unwrap();
+
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    assert_eq!(
+        s.load_prompt_cache(&path, &ab).unwrap(),
+        PromptCache::Reused { tokens: a.len() }
+    );
+    assert_eq!(s.tokens(), a.as_slice());
+
+    // the whole prompt (a state has no logits to sample from) or another prompt: not loaded
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    assert_eq!(
+        s.load_prompt_cache(&path, &a).unwrap(),
+        PromptCache::Unused {
+            common: a.len(),
+            cached: a.len()
+        }
+    );
+    let other = [
+        &a[..10],
+        &b[..].iter().rev().copied().collect::<Vec<_>>()[..],
+    ]
+    .concat();
+    assert_eq!(
+        s.load_prompt_cache(&path, &other).unwrap(),
+        PromptCache::Unused {
+            common: 10,
+            cached: a.len()
+        }
+    );
+    assert_eq!(s.n_past(), 0);
+
+    // a cache made with other settings is an error, not silently replaced
+    let mut s = Session::new(m, config(Some(H2oConfig::new(64, 32)))).unwrap();
+    let err = s.load_prompt_cache(&path, &ab).unwrap_err().to_string();
+    assert!(err.contains("h2o_local"), "{err}");
+}
