@@ -260,6 +260,87 @@ fn h2o_prefill_runs_end_to_end() {
 }
 
 #[test]
+fn prompt_cache_reuses_a_saved_prefix_like_llama_cli() {
+    // the seed rule without a dense tail gives the same result however a prompt is split into
+    // calls, so a cached prefix plus the rest must generate what the whole prompt generates
+    let dir = common::scratch("cli-prompt-cache");
+    let cache = dir.join("prompt.cache");
+    let cache_arg = cache.to_str().unwrap();
+    let first = h2o_llama::demo::prompt(10);
+    let second = format!("{first} The ledger was then closed and");
+    let run_with = |local: &str, prompt: &str, extra: &[&str]| {
+        let mut args = vec![
+            "-p",
+            prompt,
+            "-n",
+            "8",
+            "--temp",
+            "0",
+            "--json",
+            "-c",
+            "1024",
+            "-b",
+            "512",
+            "-ub",
+            "128",
+            "--h2o-local",
+            local,
+            "--h2o-heavy",
+            "32",
+            "--h2o-select",
+            "h2o",
+            "--h2o-sink",
+            "0",
+            "--h2o-dense-tail",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        let o = cli(&args);
+        (
+            o.status.code(),
+            serde_json::from_slice::<serde_json::Value>(&o.stdout).ok(),
+            stderr(&o),
+        )
+    };
+    let run = |prompt: &str, extra: &[&str]| run_with("32", prompt, extra);
+
+    let (code, v1, err) = run(&first, &["--prompt-cache", cache_arg]);
+    assert_eq!(code, Some(0), "{err}");
+    let v1 = v1.unwrap();
+    assert_eq!(v1["cached_prompt_tokens"], 0, "{v1}");
+    assert!(cache.exists(), "no prompt cache written: {err}");
+    let n_first = v1["prompt_tokens"].as_u64().unwrap();
+    assert!(n_first > 128, "{v1}");
+
+    let (code, v2, err) = run(&second, &["--prompt-cache", cache_arg]);
+    assert_eq!(code, Some(0), "{err}");
+    let v2 = v2.unwrap();
+    assert_eq!(v2["cached_prompt_tokens"].as_u64(), Some(n_first), "{v2}");
+
+    let (code, v3, err) = run(&second, &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let v3 = v3.unwrap();
+    assert_eq!(
+        v2["prompt_tokens"].as_u64().unwrap() + n_first,
+        v3["prompt_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(v2["text"], v3["text"], "cached run {v2}\nwhole prompt {v3}");
+
+    // a cache saved with other H2O settings is refused, not overwritten
+    let before = std::fs::read(&cache).unwrap();
+    let (code, _, err) = run_with("64", &second, &["--prompt-cache", cache_arg]);
+    assert_eq!(code, Some(3), "{err}");
+    assert!(
+        err.contains("h2o_local = 32") && err.contains(cache_arg),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(&cache).unwrap() == before,
+        "the cache was changed"
+    );
+}
+
+#[test]
 fn bench_measures_both_engines_and_reports_the_ratio() {
     let model = common::model_path();
     let bench = |extra: &[&str]| {

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use h2o_llama::{
-    default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, Sampler,
-    SamplerConfig, Selection, Session, SessionConfig,
+    default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, PromptCache,
+    Sampler, SamplerConfig, Selection, Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
@@ -126,6 +126,11 @@ struct Cli {
     /// to diff this build against a stock one
     #[arg(long, value_name = "FILE")]
     logits_out: Option<PathBuf>,
+    /// llama-cli's prompt cache: when FILE holds a saved state whose tokens begin the prompt,
+    /// load it and evaluate only the rest; save the state to FILE after the prompt. Refused
+    /// when FILE was saved with another model or other H2O settings
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<PathBuf>,
     /// Echo llama.cpp's own log to stderr
     #[arg(short = 'v', long)]
     verbose: bool,
@@ -256,6 +261,8 @@ struct Record<'a> {
     peak_rss_bytes: Option<u64>,
     /// bytes of the F16 K+V cache this context holds
     kv_cache_bytes: u64,
+    /// prompt tokens loaded from --prompt-cache instead of evaluated (not in prompt_tokens)
+    cached_prompt_tokens: usize,
     text: &'a str,
 }
 
@@ -442,35 +449,40 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         }
         true
     };
-    let generation = match &cli.logits_out {
-        None => session.generate_with_progress(
-            &prompt,
-            &mut sampler,
-            cli.n_predict,
-            progress,
-            on_text,
-        )?,
-        Some(path) => {
-            // prefill on its own so that the logits can be saved before sampling
-            let start = std::time::Instant::now();
-            session.evaluate_with_progress(&prompt, progress)?;
-            let prefill = start.elapsed();
+    let cached = match &cli.prompt_cache {
+        Some(path) => use_prompt_cache(&mut session, path, &prompt, cli.json)?,
+        None => 0,
+    };
+    let generation = if cli.logits_out.is_none() && cli.prompt_cache.is_none() {
+        session.generate_with_progress(&prompt, &mut sampler, cli.n_predict, progress, on_text)?
+    } else {
+        // prefill on its own so that the logits and the state can be saved before sampling
+        let rest = &prompt[cached..];
+        let start = std::time::Instant::now();
+        session.evaluate_with_progress(rest, progress)?;
+        let prefill = start.elapsed();
+        if let Some(path) = &cli.logits_out {
             let logits = session.logits().context("no logits after the prompt")?;
             let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
             std::fs::write(path, bytes)
                 .with_context(|| format!("cannot write the logits to {}", path.display()))?;
-            let mut g = session.generate_with_progress(
-                &[],
-                &mut sampler,
-                cli.n_predict,
-                |_, _| {},
-                on_text,
-            )?;
-            g.timings.prompt_tokens = prompt.len();
-            g.timings.prefill = prefill;
-            g.timings.time_to_first_token += prefill;
-            g
         }
+        if let Some(path) = &cli.prompt_cache {
+            session.save_state(path)?;
+            if !cli.json {
+                eprintln!(
+                    "h2o-cli: prompt cache {}: saved {} tokens",
+                    path.display(),
+                    session.n_past()
+                );
+            }
+        }
+        let mut g =
+            session.generate_with_progress(&[], &mut sampler, cli.n_predict, |_, _| {}, on_text)?;
+        g.timings.prompt_tokens = rest.len();
+        g.timings.prefill = prefill;
+        g.timings.time_to_first_token += prefill;
+        g
     };
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
@@ -500,6 +512,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             stopped_at_eog: generation.stopped_at_eog,
             peak_rss_bytes: peak_rss_bytes(),
             kv_cache_bytes: model.kv_cache_bytes(session.n_ctx()),
+            cached_prompt_tokens: cached,
             text: &generation.text,
         };
         serde_json::to_writer(&mut stdout, &record)?;
@@ -531,6 +544,43 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Loads `path` into the fresh `session` when its tokens begin `prompt`; returns how many prompt
+/// tokens it holds (0 when it was not used) and says what happened on stderr.
+fn use_prompt_cache(
+    session: &mut Session,
+    path: &std::path::Path,
+    prompt: &[h2o_llama::Token],
+    quiet: bool,
+) -> Result<usize> {
+    let outcome = session.load_prompt_cache(path, prompt)?;
+    let (cached, what) = match outcome {
+        PromptCache::Missing => (0, "none yet: evaluating the whole prompt".to_string()),
+        PromptCache::Reused { tokens } => (
+            tokens,
+            format!(
+                "reusing {tokens} of {} prompt tokens, evaluating {}",
+                prompt.len(),
+                prompt.len() - tokens
+            ),
+        ),
+        PromptCache::Unused { common, cached } if common == cached && cached > 0 => (
+            0,
+            format!("holds this whole prompt ({cached} tokens) but no logits: evaluating it again"),
+        ),
+        PromptCache::Unused { common, cached } => (
+            0,
+            format!(
+                "its {cached} tokens do not begin this prompt (the first {common} agree): \
+                 evaluating the whole prompt, then replacing the cache"
+            ),
+        ),
+    };
+    if !quiet {
+        eprintln!("h2o-cli: prompt cache {}: {what}", path.display());
+    }
+    Ok(cached)
 }
 
 /// Peak resident set size of this process (`VmHWM`), where /proc has it.
