@@ -3,8 +3,8 @@
 //! the f64 reference from the captured inputs, and compared.
 //!
 //! Three runs of the same 3S + 40-token prompt (S = 128, L = H = 32): one `llama_decode` call
-//! (four chunks in one graph), calls on chunk boundaries (S, S, S, 40), and misaligned calls
-//! (100, 150, 174).
+//! (one graph per ubatch of S tokens), calls on chunk boundaries (S, S, S, 40), and misaligned
+//! calls (100, 150, 174; their ubatches start inside chunks).
 //!
 //! Why the reference is fed the engine's memory sets: the engine ranks BF16 scores, the
 //! reference f64 ones, so two candidates whose scores agree to BF16 precision may be ranked the
@@ -123,6 +123,8 @@ fn run(tokens: &[i32], calls: &[usize], sink: usize) -> Run {
 
 /// One layer's inputs and outputs over the whole prompt, reassembled from the calls.
 struct LayerTrace {
+    /// positions the calls covered
+    n: usize,
     n_head: usize,
     n_head_kv: usize,
     d: usize,
@@ -146,8 +148,10 @@ fn layer_trace(captures: &[AttentionCapture], layer: u32) -> LayerTrace {
         c0.head_dim as usize,
         c0.head_dim_v as usize,
     );
-    let mut q = vec![f32::NAN; N * n_head * d];
-    let mut out = vec![f32::NAN; N * n_head * dv];
+    let last = calls.iter().max_by_key(|c| c.p0 + c.n_tokens).unwrap();
+    let n_pos = (last.p0 + last.n_tokens) as usize;
+    let mut q = vec![f32::NAN; n_pos * n_head * d];
+    let mut out = vec![f32::NAN; n_pos * n_head * dv];
     for c in &calls {
         assert_eq!(
             (c.chunk, c.local, c.heavy),
@@ -163,9 +167,8 @@ fn layer_trace(captures: &[AttentionCapture], layer: u32) -> LayerTrace {
         q.iter().all(|x| !x.is_nan()),
         "layer {layer}: the calls do not cover the prompt"
     );
-    let last = calls.iter().max_by_key(|c| c.p0 + c.n_tokens).unwrap();
-    assert_eq!((last.p0 + last.n_tokens) as usize, N);
     LayerTrace {
+        n: n_pos,
         n_head,
         n_head_kv: c0.n_head_kv as usize,
         d,
@@ -202,7 +205,7 @@ fn assert_outputs_match(
     let tol = 1e-4 * vmax.max(1.0);
     let engine_out = head_matrix(&t.out, t.n_head, t.dv, h);
     let mut max_err = 0f64;
-    for i in 0..N {
+    for i in 0..t.n {
         let err = engine_out
             .row(i)
             .iter()
@@ -368,7 +371,7 @@ fn seed_rule_matches_the_reference(sink: usize) {
     let misaligned = run(&tokens, &[100, 150, 174], sink);
 
     // The final memory sets of all three agree (item 11), so the aligned run's intermediate
-    // sets are the ones the single call used inside its one graph.
+    // sets are the ones the single call used between its ubatches.
     assert!(
         aligned.final_sets == one_call.final_sets,
         "one call vs aligned calls: final memory sets"
@@ -377,9 +380,27 @@ fn seed_rule_matches_the_reference(sink: usize) {
         aligned.final_sets == misaligned.final_sets,
         "misaligned vs aligned calls: final memory sets"
     );
-    assert!(one_call.captures.iter().all(|c| c.n_tokens as usize == N));
-    assert_eq!(one_call.captures.len(), 30, "one capture per layer");
-    assert_eq!(misaligned.captures.len(), 90, "three calls × 30 layers");
+    // a llama_decode call runs one graph per ubatch of at most S tokens (patch 0011), and the
+    // chunks inside the op follow positions, not ubatches
+    let ubatch_sizes = |r: &Run| -> Vec<usize> {
+        r.captures
+            .iter()
+            .filter(|c| c.layer == 0)
+            .map(|c| c.n_tokens as usize)
+            .collect()
+    };
+    assert_eq!(ubatch_sizes(&one_call), vec![S, S, S, N - 3 * S]);
+    assert_eq!(ubatch_sizes(&misaligned), vec![100, S, 150 - S, S, 174 - S]);
+    assert_eq!(
+        one_call.captures.len(),
+        4 * 30,
+        "one capture per ubatch and layer"
+    );
+    assert_eq!(
+        misaligned.captures.len(),
+        5 * 30,
+        "one capture per ubatch and layer"
+    );
 
     for (label, r) in [
         ("one call", &one_call),
@@ -400,26 +421,65 @@ fn seed_rule_matches_the_reference(sink: usize) {
 /// row, the tail's full-attention rows included, must match.
 #[test]
 fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_layer() {
+    check_query_selection(&prompt(), &[Selection::Query, Selection::QueryMean], 24);
+}
+
+/// The dense tail walks the keys in spans of 1024 merged by online softmax (so its scratch does
+/// not grow with the prompt): a tail whose queries see more than one span must still match full
+/// attention row by row. 1100 tokens in three calls (n_batch 512), the tail (rows 1040 ..
+/// 1100, each seeing more than 1024 keys) in the last.
+#[test]
+fn dense_tail_across_key_spans_matches_the_reference_in_every_layer() {
+    let tokens = common::model()
+        .tokenize(&h2o_llama::demo::prompt(60), true, true)
+        .unwrap();
+    assert!(
+        tokens.len() >= 1100,
+        "demo prompt too short: {}",
+        tokens.len()
+    );
+    check_query_selection(&tokens[..1100], &[Selection::Query], 60);
+}
+
+fn check_query_selection(tokens: &[i32], selects: &[Selection], tail: usize) {
     const SINK: usize = 4;
-    const TAIL: usize = 24;
-    let tokens = prompt();
-    for select in [Selection::Query, Selection::QueryMean] {
+    let n = tokens.len();
+    for &select in selects {
         let h2o = H2oConfig {
             select,
             sink: SINK as u32,
-            dense_tail: TAIL as u32,
+            dense_tail: tail as u32,
             ..H2oConfig::seed(L as u32, H as u32)
         };
-        let mut s = Session::new(common::model(), config(h2o)).unwrap();
-        s.evaluate(&tokens).unwrap();
+        let config = SessionConfig {
+            n_ctx: 2048,
+            ..config(h2o)
+        };
+        let mut s = Session::new(common::model(), config).unwrap();
+        s.evaluate(tokens).unwrap();
         let captures = s.take_attention_captures().unwrap();
         let final_sets = all_memory_sets(&s);
-        assert_eq!(captures.len(), 30, "one capture per layer");
+        assert_eq!(
+            captures.len(),
+            n.div_ceil(S) * 30,
+            "one capture per ubatch and layer"
+        );
         for c in &captures {
+            // only the call whose last token asks for logits has a tail
+            let last_call = (c.p0 + c.n_tokens) as usize > (n - 1) / 512 * 512;
+            let want_tail = if last_call {
+                (n - tail) as i32
+            } else {
+                c.tail_start
+            };
             assert_eq!(
                 (c.select, c.sink, c.tail_start),
-                (select as u32, SINK as u32, (N - TAIL) as i32),
+                (select as u32, SINK as u32, want_tail),
                 "{select}: op parameters"
+            );
+            assert!(
+                last_call || c.tail_start < 0 || c.tail_start >= (c.p0 + c.n_tokens) as i32,
+                "{select}: a tail in an earlier call"
             );
         }
         let params = H2oParams {
@@ -428,11 +488,12 @@ fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_laye
             heavy: H,
             select,
             sink: SINK,
-            tail_start: Some(N - TAIL),
+            tail_start: Some(n - tail),
         };
         let (mut max_err, mut max_v) = (0f64, 0f64);
         for (layer, sets) in final_sets.iter().enumerate() {
             let t = layer_trace(&captures, layer as u32);
+            assert_eq!(t.n, n, "layer {layer}: positions captured");
             let group = t.n_head / t.n_head_kv;
             for (h, engine_set) in sets.iter().enumerate() {
                 let what = format!("{select}: layer {layer} head {h}");
@@ -443,7 +504,7 @@ fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_laye
                 // after the call the engine holds the memory the last chunk read
                 assert_eq!(
                     engine_set,
-                    &r.memory_sets[N / S - 1],
+                    &r.memory_sets[n / S - 1],
                     "{what}: memory of the last chunk"
                 );
                 let (err, vmax) = assert_outputs_match(&t, h, &v, &r.output, &what);
@@ -451,7 +512,9 @@ fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_laye
                 max_v = max_v.max(vmax);
             }
         }
-        eprintln!("{select}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})");
+        eprintln!(
+            "{select}, {n} tokens, tail {tail}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})"
+        );
     }
 }
 
