@@ -333,3 +333,90 @@ fn multi_turn_follows_the_documented_rule() {
         assert!((*valid.last().unwrap() as usize) < prompt_end / 256 * 256);
     }
 }
+
+/// Issue 18, item 2: `Session::truncate(p)` and then more tokens give exactly what a fresh
+/// session gives that evaluated the same kept tokens the same way. Cutting decoded tokens is free
+/// (they never entered the H2O state; llama.cpp accepts the cut); a cut into prompt positions is
+/// rebuilt by evaluating the kept prefix again: at a chunk boundary, mid-chunk, and inside the
+/// last chunk's local window.
+#[test]
+fn truncate_continues_as_a_fresh_session_would() {
+    let m = common::model();
+    let tokens = m
+        .tokenize(&h2o_llama::demo::prompt(25), true, true)
+        .unwrap();
+    let (prompt, next) = (&tokens[..400], &tokens[400..460]);
+    let config = SessionConfig {
+        n_ctx: 1024,
+        n_batch: 1024,
+        n_ubatch: 128,
+        n_threads: 2,
+        h2o: Some(H2oConfig::new(32, 32)),
+        ..SessionConfig::default()
+    };
+    let greedy = || {
+        Sampler::new(&SamplerConfig {
+            temperature: 0.0,
+            ..SamplerConfig::default()
+        })
+        .unwrap()
+    };
+    let snapshot = |s: &Session<'_>| {
+        let st = s.h2o_state().unwrap();
+        let scores: Vec<Vec<f32>> = (0..st.n_layer)
+            .flat_map(|l| (0..st.n_head).map(move |h| (l, h)))
+            .map(|(l, h)| s.h2o_scores(l, h, 0..s.n_past()).unwrap())
+            .collect();
+        (st.chunks_done, st.tokens_done, all_memory_sets(s), scores)
+    };
+
+    // decoded tokens: the cut is free and the session is the one that generated fewer
+    let mut s = Session::new(m, config.clone()).unwrap();
+    let generated = s
+        .generate(prompt, &mut greedy(), 12, |_| true)
+        .unwrap()
+        .tokens;
+    assert_eq!(generated.len(), 12);
+    assert_eq!(
+        s.truncate(405).unwrap(),
+        0,
+        "cutting decoded tokens is free"
+    );
+    assert_eq!(s.tokens(), [prompt, &generated[..5]].concat().as_slice());
+    s.evaluate(next).unwrap();
+    let mut fresh = Session::new(m, config.clone()).unwrap();
+    fresh.generate(prompt, &mut greedy(), 6, |_| true).unwrap(); // evaluates 5 of the 6
+    assert_eq!(fresh.n_past(), 405);
+    fresh.evaluate(next).unwrap();
+    assert!(
+        s.logits().unwrap() == fresh.logits().unwrap(),
+        "decoded cut: logits"
+    );
+    assert!(snapshot(&s) == snapshot(&fresh), "decoded cut: H2O state");
+
+    // prompt positions: chunk boundary, mid-chunk, inside the last complete chunk's local window
+    // (positions 352 .. 384 with S = 128, L = 32)
+    for cut in [256, 200, 370] {
+        let mut s = Session::new(m, config.clone()).unwrap();
+        s.evaluate(prompt).unwrap();
+        assert_eq!(s.truncate(cut).unwrap(), cut as usize, "cut at {cut}");
+        assert!(s.logits().is_none());
+        s.evaluate(next).unwrap();
+        let mut fresh = Session::new(m, config.clone()).unwrap();
+        fresh.evaluate(&prompt[..cut as usize]).unwrap();
+        fresh.evaluate(next).unwrap();
+        assert!(
+            s.logits().unwrap() == fresh.logits().unwrap(),
+            "cut at {cut}: logits"
+        );
+        assert!(snapshot(&s) == snapshot(&fresh), "cut at {cut}: H2O state");
+    }
+
+    let mut s = Session::new(m, config).unwrap();
+    s.evaluate(&prompt[..10]).unwrap();
+    let err = s.truncate(11).unwrap_err().to_string();
+    assert!(
+        err.contains("cannot keep 11 tokens: the session holds 10"),
+        "{err}"
+    );
+}

@@ -290,6 +290,48 @@ impl<'m> Session<'m> {
         self.has_logits = false;
     }
 
+    /// Keeps the first `n` tokens of the session and forgets the rest, as llama-cli and
+    /// llama-server do to reuse a cached prompt prefix (regenerate, the next turn of a chat).
+    /// Returns how many tokens had to be evaluated again: 0 where llama.cpp could cut the cache
+    /// (always with full attention; with H2O when only decoded tokens go, since they never
+    /// entered the H2O state); otherwise the H2O state of the cut could not be undone exactly,
+    /// so the kept tokens are evaluated again from an empty cache, which gives exactly what a
+    /// fresh session evaluating them gives. [`Session::logits`] is `None` afterwards.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `n` exceeds [`Session::n_past`]; as
+    /// [`Session::evaluate`] while evaluating again (the session is then empty).
+    pub fn truncate(&mut self, n: u32) -> Result<usize> {
+        if n > self.n_past {
+            return Err(Error::InvalidConfig(format!(
+                "cannot keep {n} tokens: the session holds {}",
+                self.n_past
+            )));
+        }
+        if n == self.n_past {
+            self.has_logits = false;
+            return Ok(0);
+        }
+        backend::clear_recent_log();
+        // SAFETY: valid context and its memory; n <= n_past fits in i32 (n_ctx does).
+        let cut = unsafe {
+            sys::llama_memory_seq_rm(sys::llama_get_memory(self.ctx.as_ptr()), 0, n as i32, -1)
+        };
+        if cut {
+            self.n_past = n;
+            self.tokens.truncate(n as usize);
+            self.has_logits = false;
+            return Ok(0);
+        }
+        let kept = self.tokens[..n as usize].to_vec();
+        self.reset();
+        if !kept.is_empty() {
+            self.evaluate(&kept)?;
+        }
+        self.has_logits = false;
+        Ok(kept.len())
+    }
+
     /// Appends `tokens` to the sequence, in `llama_decode` calls of at most `n_batch` tokens.
     /// Afterwards [`Session::logits`] holds the next-token logits after the last token.
     ///

@@ -756,7 +756,7 @@ static void test_context_api(llama_model * model) {
     CHECK(llama_h2o_get_scores(ctx, 3, 2, 4000, 97, sc.data()) == LLAMA_H2O_STATUS_INVALID_RANGE, "score range");
     CHECK(llama_h2o_get_scores(ctx, 3, 2, -1, 1, sc.data()) == LLAMA_H2O_STATUS_INVALID_RANGE, "negative position");
 
-    // the cache is position-addressed and refuses to cut the sequence
+    // the cache is position-addressed and refuses to cut into what its prompt batches scored
     llama_memory_t mem = llama_get_memory(ctx);
     std::vector<llama_token> tokens(300);
     for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = 100 + (int) i;
@@ -771,9 +771,19 @@ static void test_context_api(llama_model * model) {
         CHECK(addressed, "token at position p not in cell p");
     }
     captured_log.clear();
-    CHECK(!llama_memory_seq_rm(mem, 0, 200, -1), "cutting the sequence accepted");
-    CHECK(captured_log.find("only the whole sequence can be removed") != std::string::npos, "cut refusal message: %s", captured_log.c_str());
+    CHECK(!llama_memory_seq_rm(mem, 0, 200, -1), "cutting into prompt positions accepted");
+    CHECK(captured_log.find("scored positions up to 300, so only the whole sequence, or a tail from position 300 on") != std::string::npos,
+            "cut refusal message: %s", captured_log.c_str());
     CHECK(llama_memory_seq_pos_max(mem, 0) == 299, "refused cut changed the cache");
+    CHECK(!llama_memory_seq_rm(mem, 0, 100, 200), "removing a middle range accepted");
+
+    // a decoded token never enters the H2O state, so it can be cut (patch 0012)
+    llama_token next = 42;
+    llama_batch one = llama_batch_get_one(&next, 1);
+    CHECK(llama_decode(ctx, one) == 0, "decode one token");
+    CHECK(llama_memory_seq_pos_max(mem, 0) == 300, "decoded token not cached");
+    CHECK(llama_memory_seq_rm(mem, 0, 300, -1), "cutting the decoded token refused");
+    CHECK(llama_memory_seq_pos_max(mem, 0) == 299, "the decoded token is still cached");
     CHECK(llama_memory_seq_rm(mem, 0, -1, -1), "removing the whole sequence refused");
     CHECK(llama_memory_seq_pos_max(mem, 0) == -1, "sequence not removed");
     CHECK(!llama_memory_can_shift(mem), "can_shift");
