@@ -202,6 +202,15 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
 
     // damaged files: never half loaded
     let bytes = std::fs::read(&h2o_state).unwrap();
+    let mut s = Session::new(m, config(Some(seed))).unwrap();
+    s.evaluate(&b[..100]).unwrap();
+    let msg = s
+        .load_state_bytes(&[bytes.as_slice(), b"trailing"].concat())
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("8 bytes follow the state"), "{msg}");
+    assert!(msg.contains("the session was emptied"), "{msg}");
+    assert_eq!(s.n_past(), 0);
     let truncated = dir.join("truncated.session");
     std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
     let foreign = dir.join("foreign.session");
@@ -215,7 +224,7 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
     let missing = dir.join("missing.session");
     let damaged: Vec<(&Path, &str)> = vec![
         (&truncated, "the session was emptied"),
-        (&extended, "follow the state"),
+        (&extended, "did not read all of the session file data"),
         (&foreign, "not a llama.cpp session state"),
         (&missing, "missing.session"),
     ];

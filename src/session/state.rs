@@ -86,6 +86,24 @@ fn parse_header(bytes: &[u8], n_ctx: u32) -> std::result::Result<Header, String>
     })
 }
 
+/// The header of the session file at `path`, read without the state that follows it.
+fn read_file_header(path: &Path, n_ctx: u32) -> std::result::Result<Header, String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let size = file.metadata().map_err(|e| e.to_string())?.len();
+    let mut bytes = vec![0u8; HEADER_BYTES.min(size as usize)];
+    file.read_exact(&mut bytes).map_err(|e| e.to_string())?;
+    if let Some(n) = bytes.get(8..12) {
+        let n_tokens = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
+        // only as many token bytes as the file has, so that a damaged count reads nothing huge
+        let want = (4 * n_tokens).min(size as usize - HEADER_BYTES);
+        let mut tokens = vec![0u8; want];
+        file.read_exact(&mut tokens).map_err(|e| e.to_string())?;
+        bytes.extend_from_slice(&tokens);
+    }
+    parse_header(&bytes, n_ctx)
+}
+
 /// How many leading tokens `a` and `b` share.
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -172,12 +190,35 @@ impl Session<'_> {
     /// part-way.
     pub fn load_state(&mut self, path: &Path) -> Result<()> {
         let from = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|e| Error::StateLoad {
+        let unchanged = |reason: String| Error::StateLoad {
             from: from.clone(),
-            reason: e.to_string(),
+            reason,
             session: "the session is unchanged",
-        })?;
-        self.load_state_from(&bytes, from)
+        };
+        let header = read_file_header(path, self.n_ctx).map_err(unchanged)?;
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| unchanged("the path contains a NUL byte".into()))?;
+        // llama.cpp reads the file in pieces, so a large state is not held in memory twice
+        let mut tokens = vec![0; header.tokens.len()];
+        let mut n_tokens = 0usize;
+        backend::clear_recent_log();
+        // SAFETY: valid context; `tokens` has room for the header's count, which llama.cpp
+        // checks against the capacity it is given.
+        let ok = unsafe {
+            sys::llama_state_load_file(
+                self.ctx.as_ptr(),
+                c_path.as_ptr(),
+                tokens.as_mut_ptr(),
+                tokens.len(),
+                &mut n_tokens,
+            )
+        };
+        let outcome = if ok {
+            Ok(())
+        } else {
+            Err(backend::recent_log_reason())
+        };
+        self.finish_load(outcome, false, header.tokens, from)
     }
 
     /// [`Session::load_state`] from bytes made by [`Session::state_bytes`] (or read from a
@@ -186,10 +227,7 @@ impl Session<'_> {
     /// # Errors
     /// As [`Session::load_state`].
     pub fn load_state_bytes(&mut self, bytes: &[u8]) -> Result<()> {
-        self.load_state_from(bytes, "memory".into())
-    }
-
-    fn load_state_from(&mut self, bytes: &[u8], from: String) -> Result<()> {
+        let from = "memory".to_string();
         let header = parse_header(bytes, self.n_ctx).map_err(|reason| Error::StateLoad {
             from: from.clone(),
             reason,
@@ -200,28 +238,49 @@ impl Session<'_> {
         // SAFETY: valid context; llama.cpp reads at most `state.len()` bytes.
         let read =
             unsafe { sys::llama_state_set_data(self.ctx.as_ptr(), state.as_ptr(), state.len()) };
-        let reason = if read == 0 {
-            Some(backend::recent_log_reason())
+        let (outcome, loaded) = if read == 0 {
+            (Err(backend::recent_log_reason()), false)
         } else if read != state.len() {
-            Some(format!(
-                "{} bytes follow the state llama.cpp read ({read} of {}): a damaged file, or one \
-                 saved with other settings",
+            let reason = format!(
+                "{} bytes follow the state llama.cpp read ({read} of {}): a damaged state, or \
+                 one saved with other settings",
                 state.len() - read,
                 state.len()
-            ))
+            );
+            (Err(reason), true)
         } else {
-            let n_cached = self.cached_positions();
-            (n_cached != header.tokens.len()).then(|| {
-                format!(
-                    "the state lists {} tokens but its cache holds {n_cached} positions",
-                    header.tokens.len()
-                )
-            })
+            (Ok(()), true)
         };
-        if let Some(reason) = reason {
-            // llama.cpp refuses a foreign or mismatched state before it changes the cache and
-            // empties the cache when a state fails part-way; anything else is not trusted.
-            let unchanged = read == 0 && self.cached_positions() == self.n_past as usize;
+        self.finish_load(outcome, loaded, header.tokens, from)
+    }
+
+    /// Takes over the tokens of a state llama.cpp loaded, or, when it failed, says what the
+    /// session holds: llama.cpp refuses a foreign or mismatched state before it changes the
+    /// cache and empties the cache when a state fails part-way, so an unchanged cache is told
+    /// by its size unless the state would have left the same size; anything else is emptied.
+    fn finish_load(
+        &mut self,
+        outcome: std::result::Result<(), String>,
+        changed: bool,
+        tokens: Vec<Token>,
+        from: String,
+    ) -> Result<()> {
+        let outcome = outcome.and_then(|()| {
+            let n_cached = self.cached_positions();
+            if n_cached == tokens.len() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the state lists {} tokens but its cache holds {n_cached} positions",
+                    tokens.len()
+                ))
+            }
+        });
+        if let Err(reason) = outcome {
+            let n_past = self.n_past as usize;
+            let unchanged = !changed
+                && self.cached_positions() == n_past
+                && (n_past == 0 || n_past != tokens.len());
             let session = if unchanged {
                 "the session is unchanged"
             } else {
@@ -237,8 +296,8 @@ impl Session<'_> {
         if let Some(sink) = &self.capture {
             sink.clear();
         }
-        self.n_past = header.tokens.len() as u32; // <= n_ctx (parse_header)
-        self.tokens = header.tokens;
+        self.n_past = tokens.len() as u32; // <= n_ctx (parse_header)
+        self.tokens = tokens;
         self.has_logits = false;
         Ok(())
     }
@@ -267,28 +326,22 @@ impl Session<'_> {
                 "a prompt cache is loaded into an empty session: reset it first".into(),
             ));
         }
-        let from = path.display().to_string();
-        let bytes = match std::fs::read(path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(PromptCache::Missing),
-            Err(e) => {
+        let header = match read_file_header(path, self.n_ctx) {
+            Err(_) if !path.exists() => return Ok(PromptCache::Missing),
+            Err(reason) => {
                 return Err(Error::StateLoad {
-                    from,
-                    reason: e.to_string(),
+                    from: path.display().to_string(),
+                    reason,
                     session: "the session is unchanged",
                 })
             }
+            Ok(header) => header,
         };
-        let header = parse_header(&bytes, self.n_ctx).map_err(|reason| Error::StateLoad {
-            from: from.clone(),
-            reason,
-            session: "the session is unchanged",
-        })?;
         let cached = header.tokens.len();
         let common = common_prefix(&header.tokens, prompt);
         // loaded even when it will not be used, as llama-cli does: that checks it was made for
         // this model and these settings before the caller overwrites it
-        self.load_state_from(&bytes, from)?;
+        self.load_state(path)?;
         if cached == 0 || common < cached || cached == prompt.len() {
             self.reset();
             return Ok(PromptCache::Unused { common, cached });
