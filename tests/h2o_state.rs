@@ -361,15 +361,6 @@ fn truncate_continues_as_a_fresh_session_would() {
         })
         .unwrap()
     };
-    let snapshot = |s: &Session<'_>| {
-        let st = s.h2o_state().unwrap();
-        let scores: Vec<Vec<f32>> = (0..st.n_layer)
-            .flat_map(|l| (0..st.n_head).map(move |h| (l, h)))
-            .map(|(l, h)| s.h2o_scores(l, h, 0..s.n_past()).unwrap())
-            .collect();
-        (st.chunks_done, st.tokens_done, all_memory_sets(s), scores)
-    };
-
     // decoded tokens: the cut is free and the session is the one that generated fewer
     let mut s = Session::new(m, config.clone()).unwrap();
     let generated = s
@@ -392,7 +383,10 @@ fn truncate_continues_as_a_fresh_session_would() {
         s.logits().unwrap() == fresh.logits().unwrap(),
         "decoded cut: logits"
     );
-    assert!(snapshot(&s) == snapshot(&fresh), "decoded cut: H2O state");
+    assert!(
+        common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
+        "decoded cut: H2O state"
+    );
 
     // prompt positions: chunk boundary, mid-chunk, inside the last complete chunk's local window
     // (positions 352 .. 384 with S = 128, L = 32)
@@ -409,7 +403,10 @@ fn truncate_continues_as_a_fresh_session_would() {
             s.logits().unwrap() == fresh.logits().unwrap(),
             "cut at {cut}: logits"
         );
-        assert!(snapshot(&s) == snapshot(&fresh), "cut at {cut}: H2O state");
+        assert!(
+            common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
+            "cut at {cut}: H2O state"
+        );
     }
 
     let mut s = Session::new(m, config).unwrap();

