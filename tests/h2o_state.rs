@@ -354,13 +354,7 @@ fn truncate_continues_as_a_fresh_session_would() {
         h2o: Some(H2oConfig::new(32, 32)),
         ..SessionConfig::default()
     };
-    let greedy = || {
-        Sampler::new(&SamplerConfig {
-            temperature: 0.0,
-            ..SamplerConfig::default()
-        })
-        .unwrap()
-    };
+    let greedy = || Sampler::new(&SamplerConfig::greedy()).unwrap();
     // decoded tokens: the cut is free and the session is the one that generated fewer
     let mut s = Session::new(m, config.clone()).unwrap();
     let generated = s

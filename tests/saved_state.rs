@@ -39,11 +39,7 @@ fn prompts() -> (Vec<Token>, Vec<Token>) {
 }
 
 fn greedy(s: &mut Session<'_>, n: usize) -> Vec<Token> {
-    let mut sampler = Sampler::new(&SamplerConfig {
-        temperature: 0.0,
-        ..SamplerConfig::default()
-    })
-    .unwrap();
+    let mut sampler = Sampler::new(&SamplerConfig::greedy()).unwrap();
     s.generate(&[], &mut sampler, n, |_| true).unwrap().tokens
 }
 
