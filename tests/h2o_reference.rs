@@ -181,6 +181,18 @@ fn layer_trace(captures: &[AttentionCapture], layer: u32) -> LayerTrace {
     }
 }
 
+impl LayerTrace {
+    /// Q of query head `h`, and K and V of the KV head it reads (GQA), as f64 matrices.
+    fn head_inputs(&self, h: usize) -> (Matrix, Matrix, Matrix) {
+        let kv_head = h / (self.n_head / self.n_head_kv);
+        (
+            head_matrix(&self.q, self.n_head, self.d, h),
+            head_matrix(&self.k, self.n_head_kv, self.d, kv_head),
+            head_matrix(&self.v, self.n_head_kv, self.dv, kv_head),
+        )
+    }
+}
+
 /// Rows `[pos][..]` of head `h` out of a `[pos][n_heads][width]` array, as an f64 matrix.
 fn head_matrix(data: &[f32], n_heads: usize, width: usize, h: usize) -> Matrix {
     let rows = data.len() / (n_heads * width);
@@ -300,12 +312,9 @@ fn compare(
     let (mut max_err, mut max_v, mut swaps, mut max_score_err) = (0f64, 0f64, 0usize, 0f64);
     for layer in 0..n_layer {
         let t = layer_trace(&run.captures, layer as u32);
-        let group = t.n_head / t.n_head_kv;
         for h in 0..t.n_head {
             let what = format!("{label}: layer {layer} head {h}");
-            let q = head_matrix(&t.q, t.n_head, t.d, h);
-            let k = head_matrix(&t.k, t.n_head_kv, t.d, h / group);
-            let v = head_matrix(&t.v, t.n_head_kv, t.dv, h / group);
+            let (q, k, v) = t.head_inputs(h);
             let engine_sets: Vec<MemorySet> = given
                 .iter()
                 .map(|(_, sets)| sets[layer][h].clone())
@@ -494,12 +503,9 @@ fn check_query_selection(tokens: &[i32], selects: &[Selection], tail: usize) {
         for (layer, sets) in final_sets.iter().enumerate() {
             let t = layer_trace(&captures, layer as u32);
             assert_eq!(t.n, n, "layer {layer}: positions captured");
-            let group = t.n_head / t.n_head_kv;
             for (h, engine_set) in sets.iter().enumerate() {
                 let what = format!("{select}: layer {layer} head {h}");
-                let q = head_matrix(&t.q, t.n_head, t.d, h);
-                let k = head_matrix(&t.k, t.n_head_kv, t.d, h / group);
-                let v = head_matrix(&t.v, t.n_head_kv, t.dv, h / group);
+                let (q, k, v) = t.head_inputs(h);
                 let r = h2o_attention_head_given_memory(&q, &k, &v, t.scale, &params, &[]);
                 // after the call the engine holds the memory the last chunk read
                 assert_eq!(
@@ -558,12 +564,9 @@ fn hybrid_selection_matches_the_reference_in_every_layer() {
     let (mut max_err, mut swaps) = (0f64, 0usize);
     for layer in 0..given[0].len() {
         let t = layer_trace(&captures, layer as u32);
-        let group = t.n_head / t.n_head_kv;
         for h in 0..t.n_head {
             let what = format!("hybrid: layer {layer} head {h}");
-            let q = head_matrix(&t.q, t.n_head, t.d, h);
-            let k = head_matrix(&t.k, t.n_head_kv, t.d, h / group);
-            let v = head_matrix(&t.v, t.n_head_kv, t.dv, h / group);
+            let (q, k, v) = t.head_inputs(h);
             let engine: Vec<MemorySet> = given.iter().map(|g| g[layer][h].clone()).collect();
             let r = h2o_attention_head_given_memory(&q, &k, &v, t.scale, &params, &engine);
             for (i, e) in engine.iter().enumerate() {
