@@ -189,15 +189,23 @@ impl Session<'_> {
     /// session holds afterwards: unchanged when refused up front, empty when the state failed
     /// part-way.
     pub fn load_state(&mut self, path: &Path) -> Result<()> {
-        let from = path.display().to_string();
-        let unchanged = |reason: String| Error::StateLoad {
-            from: from.clone(),
+        let header = read_file_header(path, self.n_ctx).map_err(|reason| Error::StateLoad {
+            from: path.display().to_string(),
             reason,
             session: "the session is unchanged",
-        };
-        let header = read_file_header(path, self.n_ctx).map_err(unchanged)?;
-        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| unchanged("the path contains a NUL byte".into()))?;
+        })?;
+        self.load_state_file(path, header)
+    }
+
+    /// Loads the session file at `path`, whose header has been read.
+    fn load_state_file(&mut self, path: &Path, header: Header) -> Result<()> {
+        let from = path.display().to_string();
+        let c_path =
+            CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::StateLoad {
+                from: from.clone(),
+                reason: "the path contains a NUL byte".into(),
+                session: "the session is unchanged",
+            })?;
         // llama.cpp reads the file in pieces, so a large state is not held in memory twice
         let mut tokens = vec![0; header.tokens.len()];
         let mut n_tokens = 0usize;
@@ -341,7 +349,7 @@ impl Session<'_> {
         let common = common_prefix(&header.tokens, prompt);
         // loaded even when it will not be used, as llama-cli does: that checks it was made for
         // this model and these settings before the caller overwrites it
-        self.load_state(path)?;
+        self.load_state_file(path, header)?;
         if cached == 0 || common < cached || cached == prompt.len() {
             self.reset();
             return Ok(PromptCache::Unused { common, cached });
