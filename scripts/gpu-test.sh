@@ -101,7 +101,7 @@ pack)
         CMakeLists.txt cmake ggml src include vendor common h2o-tests
     rm -rf "$tree"
     echo "packed $(du -h "$gpu/h2o-gpu-src.tar.gz" | cut -f1) into $gpu/h2o-gpu-src.tar.gz" >&2
-    # the default model (same lookup as src/default_model.rs; fetched by `cargo test` or h2o-cli), or $2, in two
+    # the default model (same lookup as src/models.rs; fetched by `cargo test` or h2o-cli), or $2, in two
     # halves: the first travels with the first call (in target/gpu), the second with the next (target/gpu-b)
     cache="${H2O_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/h2o-llama}"
     model="${2:-$cache/SmolLM2-135M-Instruct.Q4_1.gguf}"

@@ -4,7 +4,7 @@
 #   - stock:  perplexity of the unpatched build (full attention),
 #   - H2O:    perplexity with H2O, plus the KL divergence of its token distributions from full
 #             attention's and the top-1 agreement (h2o-cli perplexity; full attention there is
-#             this build with H2O off, bit-identical to stock per tests/stock_equivalence.rs),
+#             this build with H2O off, bit-identical to stock per h2o-cli/tests/stock_equivalence.rs),
 #   - speed:  prefill tok/s of both builds at the window size (h2o-cli bench, 3 repetitions).
 #
 #   scripts/ppl-vs-stock.sh FILE [CTX=4096] [L=256] [H=256] [UB=1024]

@@ -24,7 +24,7 @@ out=$(grep -o '"out_dir":"[^"]*h2o-llama-[^"]*"' "$target.json" | tail -1 | cut 
 exe="$out/cpp-tests/test-h2o-kv-cache"
 [ -x "$exe" ] || { echo "sanitize.sh: $exe was not built" >&2; exit 1; }
 
-# the default model, fetched by `cargo test` or `h2o-cli` (same lookup as src/default_model.rs), or $1
+# the default model, fetched by `cargo test` or `h2o-cli` (same lookup as src/models.rs), or $1
 cache="${H2O_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/h2o-llama}"
 model="${1:-$cache/SmolLM2-135M-Instruct.Q4_1.gguf}"
 [ -f "$model" ] || { echo "sanitize.sh: default model not found at $model (run cargo test once to fetch it)" >&2; exit 1; }

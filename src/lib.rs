@@ -27,7 +27,10 @@
 pub mod sys;
 
 mod backend;
+pub mod bench;
 pub mod capture;
+#[cfg(feature = "charts")]
+pub mod chart;
 pub mod default_model;
 pub mod demo;
 #[cfg(not(feature = "stock"))]
@@ -35,6 +38,7 @@ pub mod engine_rule;
 mod error;
 pub mod eval;
 mod model;
+pub mod models;
 pub mod reference;
 mod sampler;
 pub mod scoring;

@@ -1,6 +1,9 @@
 //! The crate builds and links when used as a path dependency of another workspace: its build
 //! script must not assume it is the top-level crate (paths, OUT_DIR, the vendored pin).
 //! The object cache is shared so that this costs a link, not a second engine build.
+//!
+//! Such an app gets the library only: no front end's dependencies (CLI parsing, charts, HTTP)
+//! in its normal dependency tree.
 
 use std::process::Command;
 
@@ -46,5 +49,28 @@ fn builds_as_a_path_dependency_of_another_workspace() {
         stdout.trim(),
         format!("upstream {} patched true", h2o_llama::UPSTREAM_VERSION)
     );
+
+    let tree = Command::new(&cargo)
+        .args(["tree", "-e", "normal", "--offline", "--prefix", "none"])
+        .args(["--format", "{p}"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        tree.status.success(),
+        "cargo tree failed:\n{}",
+        String::from_utf8_lossy(&tree.stderr)
+    );
+    let tree = String::from_utf8_lossy(&tree.stdout);
+    let crates: Vec<&str> = tree.lines().filter_map(|l| l.split(' ').next()).collect();
+    assert!(crates.contains(&"h2o-llama"), "{tree}");
+    for front_end_only in [
+        "clap", "anyhow", "ctrlc", "plotters", "dejavu", "tokio", "axum", "hyper",
+    ] {
+        assert!(
+            !crates.contains(&front_end_only),
+            "`cargo add h2o-llama` pulls {front_end_only}:\n{tree}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use h2o_llama::{demo, H2oConfig, Selection, Session, SessionConfig, Token};
 
 #[derive(clap::Args, Debug)]
@@ -143,7 +143,7 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         None => demo::prompt(demo::DEFAULT_ENTRIES),
     };
     if let Some(png) = &args.png {
-        crate::chart::check_writable(png)?;
+        h2o_llama::chart::check_writable(png).context("--png")?;
     }
     let config = |n_batch: u32, threads: u32, n_ctx: u32| SessionConfig {
         n_ctx,
@@ -286,9 +286,9 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             "heavy hitters kept, {} tokens, S={} L={} H={}: darker = kept by more of the {} memory sets",
             report.prompt_tokens, report.n_ubatch, h2o.local, h2o.heavy, sets_per_head
         );
-        crate::chart::selection_map(
+        h2o_llama::chart::selection_map(
             png,
-            &crate::chart::SelectionMap {
+            &h2o_llama::chart::SelectionMap {
                 title: &title,
                 n_layer,
                 n_head,

@@ -1,6 +1,8 @@
 //! `h2o-cli` end to end: text and summary, the JSON record, and a clear error with a distinct
 //! exit code for each class of bad input.
 
+// The root package's shared test helpers (the default model, scratch directories).
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::process::{Command, Output};

