@@ -2,7 +2,10 @@
 //! llama-perplexity does: per scored position, each one's negative log-likelihood of the next
 //! token, the KL divergence between their next-token distributions and whether their top
 //! tokens agree; then perplexities, the KLD's mean and quantiles and the top-1 agreement.
-//! `h2o-cli perplexity` is a front end over it.
+//! [`perplexity`] scores a text in windows as llama-perplexity does; `h2o-cli perplexity` is a
+//! front end over it.
+
+pub mod perplexity;
 
 /// Log-probabilities from logits (log-softmax, accumulated in f64 for the normaliser).
 #[must_use]

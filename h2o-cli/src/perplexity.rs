@@ -1,0 +1,308 @@
+//! `h2o-cli perplexity`: how much worse H2O predicts a text than full attention. The scoring
+//! (windows as llama-perplexity cuts them, KLD, top-1 agreement, far context) is
+//! `h2o_llama::scoring::perplexity`; this is its flags, progress and tables.
+//!
+//! Full attention here is this build with H2O off, which `h2o-cli/tests/stock_equivalence.rs`
+//! shows is bit-identical to the stock build; `scripts/ppl-vs-stock.sh` also runs the stock
+//! build itself.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use h2o_llama::scoring::perplexity::{self, FarContext, ShapeScores, WindowOptions, FAR_TAIL};
+use h2o_llama::scoring::Summary;
+use h2o_llama::{H2oConfig, SessionConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct PerplexityArgs {
+    /// Text to score (UTF-8)
+    #[arg(short = 'f', long, value_name = "FILE")]
+    file: PathBuf,
+    /// Model file (GGUF) [default: the default model]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Window (context) size in tokens
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        value_name = "N",
+        default_value_t = 4096
+    )]
+    ctx_size: u32,
+    /// Logical batch; logits of every token of a call are held at once (n_vocab floats each)
+    #[arg(
+        short = 'b',
+        long = "batch-size",
+        value_name = "N",
+        default_value_t = 1024
+    )]
+    batch_size: u32,
+    #[command(flatten)]
+    shape: crate::H2oShape,
+    /// Score at most this many windows [default: all]
+    #[arg(long, value_name = "N")]
+    chunks: Option<usize>,
+    /// CPU threads
+    #[arg(short = 't', long)]
+    threads: Option<u32>,
+    /// Print one JSON record instead of the table
+    #[arg(long)]
+    json: bool,
+    // (help as an attribute: rustdoc would read the brackets as links)
+    #[arg(
+        long,
+        value_name = "L:H[:P[:S[:T]]],..",
+        value_delimiter = ',',
+        value_parser = parse_shape,
+        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL]]], comma-separated, \
+                omitted parts as the library recommends; e.g. 512:0,0:512 for local-only and heavy-only \
+                at the same M as 256:256), against the same full attention, and print one row per shape \
+                (the main shape first; a shape named twice is scored once)"
+    )]
+    ablate: Vec<H2oConfig>,
+    /// Also measure how much far context each configuration recovers: perplexity of the last
+    /// 1024 tokens of each window given all earlier tokens (full attention and every H2O shape),
+    /// and given only 512 or 0 of them (full attention, a window cut short). Needs -c >= 2048.
+    #[arg(long)]
+    far_context: bool,
+}
+
+fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if !(2..=5).contains(&parts.len()) {
+        return Err(format!(
+            "{s:?}: write an H2O shape as L:H[:POLICY[:SINK[:TAIL]]], e.g. 256:256 or 256:256:h2o:0:0"
+        ));
+    }
+    let n = |v: &str| {
+        v.trim()
+            .parse::<u32>()
+            .map_err(|e| format!("{s:?}: {v:?} is not a token count ({e})"))
+    };
+    let mut shape = H2oConfig::new(n(parts[0])?, n(parts[1])?);
+    if let Some(p) = parts.get(2) {
+        shape.select = p.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+    }
+    if let Some(v) = parts.get(3) {
+        shape.sink = n(v)?;
+    }
+    if let Some(v) = parts.get(4) {
+        shape.dense_tail = n(v)?;
+    }
+    if !shape.is_enabled() {
+        return Err(format!(
+            "{s:?}: L = H = 0 is full attention, which is always scored"
+        ));
+    }
+    Ok(shape)
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Report {
+    file: String,
+    model: String,
+    text_tokens: usize,
+    windows: usize,
+    n_ctx: u32,
+    n_batch: u32,
+    n_ubatch: u32,
+    /// None: full attention only (L = H = 0)
+    h2o: Option<H2oConfig>,
+    whole: Summary,
+    second_half: Summary,
+    /// with --ablate: every shape scored (the main one first), else empty
+    shapes: Vec<ShapeScores>,
+    /// with --far-context
+    far_context: Option<FarContext>,
+}
+
+pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    let base = SessionConfig {
+        n_ctx: args.ctx_size,
+        n_batch: args.batch_size,
+        n_ubatch: args.shape.ubatch_size,
+        n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
+        ..SessionConfig::default()
+    };
+    // the main shape first (unless L = H = 0: full attention only, how the stock build, which
+    // has no H2O, takes part), then the ablation's; each scored once
+    let mut shapes: Vec<H2oConfig> = Vec::new();
+    for shape in std::iter::once(args.shape.config())
+        .filter(H2oConfig::is_enabled)
+        .chain(args.ablate.iter().copied())
+    {
+        if !shapes.contains(&shape) {
+            shapes.push(shape);
+        }
+    }
+    base.validate()?;
+    for &shape in &shapes {
+        SessionConfig {
+            h2o: Some(shape),
+            ..base.clone()
+        }
+        .validate()?;
+    }
+    let text = crate::read_text_file(&args.file, "text file")?;
+    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let tokens = model.tokenize(&text, true, false)?;
+    let options = WindowOptions {
+        max_windows: args.chunks,
+        far_context: args.far_context,
+    };
+    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let scored = perplexity::perplexity(
+        &model,
+        &tokens,
+        &base,
+        &shapes,
+        &options,
+        interrupt,
+        |msg| {
+            if show_progress {
+                eprint!("\r\x1b[Kperplexity: {msg}");
+            }
+        },
+    )
+    .with_context(|| args.file.display().to_string())?;
+    if show_progress {
+        eprint!("\r\x1b[K");
+    }
+    let main = &scored.shapes[0];
+    let report = Report {
+        file: args.file.display().to_string(),
+        model: model.path().display().to_string(),
+        text_tokens: tokens.len(),
+        windows: scored.windows,
+        n_ctx: args.ctx_size,
+        n_batch: args.batch_size,
+        n_ubatch: args.shape.ubatch_size,
+        h2o: shapes.first().copied(),
+        whole: main.whole,
+        second_half: main.second_half,
+        shapes: if args.ablate.is_empty() {
+            Vec::new()
+        } else {
+            scored.shapes.clone()
+        },
+        far_context: scored.far_context,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", table(&report));
+        if let Some(far) = &report.far_context {
+            print!("{}", far_table(far));
+        }
+    }
+    Ok(())
+}
+
+fn table(r: &Report) -> String {
+    let mut s = format!(
+        "text: {} ({} tokens, {} windows of -c {}) | model: {} | -b {} -ub {} | {}\n\n",
+        r.file,
+        r.text_tokens,
+        r.windows,
+        r.n_ctx,
+        r.model,
+        r.n_batch,
+        r.n_ubatch,
+        match r.h2o {
+            Some(h) => format!(
+                "H2O L = {} H = {}, {} sink {} tail {}",
+                h.local, h.heavy, h.select, h.sink, h.dense_tail
+            ),
+            None => "full attention only (H2O off)".into(),
+        }
+    );
+    if !r.shapes.is_empty() {
+        s.push_str(&format!(
+            "ablation, second half of each window ({} positions scored; full attention ppl {:.4})\n\n\
+             | L | H | M | select | sink | tail | ppl H2O | Δ ppl | KLD mean | KLD p99 | top-1 agreement | Δ ppl, whole window |\n\
+             |---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            r.second_half.positions, r.second_half.ppl_full
+        ));
+        for shape in &r.shapes {
+            let p = &shape.second_half;
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.2} % | {:+.2} % |\n",
+                shape.h2o.local,
+                shape.h2o.heavy,
+                shape.h2o.memory_size(),
+                shape.h2o.select,
+                shape.h2o.sink,
+                shape.h2o.dense_tail,
+                p.ppl_h2o,
+                p.delta_ppl_percent,
+                p.kld_mean,
+                p.kld_p99,
+                p.top1_agreement_percent,
+                shape.whole.delta_ppl_percent
+            ));
+        }
+        return s;
+    }
+    if r.h2o.is_none() {
+        s.push_str("| positions | scored | ppl |\n|---|---:|---:|\n");
+        for (name, p) in [("whole window", &r.whole), ("second half", &r.second_half)] {
+            s.push_str(&format!(
+                "| {name} | {} | {:.4} |\n",
+                p.positions, p.ppl_full
+            ));
+        }
+        return s;
+    }
+    s.push_str(
+        "| positions | scored | ppl full attention | ppl H2O | Δ ppl | KLD mean | KLD median | KLD p99 \
+         | top-1 agreement |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for (name, p) in [("whole window", &r.whole), ("second half", &r.second_half)] {
+        s.push_str(&format!(
+            "| {name} | {} | {:.4} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.5} | {:.2} % |\n",
+            p.positions,
+            p.ppl_full,
+            p.ppl_h2o,
+            p.delta_ppl_percent,
+            p.kld_mean,
+            p.kld_median,
+            p.kld_p99,
+            p.top1_agreement_percent
+        ));
+    }
+    s
+}
+
+fn far_table(f: &FarContext) -> String {
+    let mut s = format!(
+        "\nfar context: perplexity of the last {FAR_TAIL} tokens of each window ({} predictions)\n\n\
+         | attention | far context | ppl | far context's gain kept |\n|---|---|---:|---:|\n\
+         | full | all | {:.4} | 100 % |\n",
+        f.positions, f.ppl_full
+    );
+    let ppl_none = f.cut.last().map_or(f64::NAN, |c| c.ppl);
+    for c in &f.cut {
+        s.push_str(&format!(
+            "| full | {} tokens | {:.4} | {:.1} % |\n",
+            c.far_tokens,
+            c.ppl,
+            100.0 * (ppl_none - c.ppl) / (ppl_none - f.ppl_full)
+        ));
+    }
+    for h in &f.shapes {
+        s.push_str(&format!(
+            "| H2O L {} H {} {} sink {} tail {} | all | {:.4} | {:.1} % |\n",
+            h.h2o.local,
+            h.h2o.heavy,
+            h.h2o.select,
+            h.h2o.sink,
+            h.h2o.dense_tail,
+            h.ppl,
+            h.recovered_percent
+        ));
+    }
+    s
+}
