@@ -10,8 +10,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use h2o_llama::{
-    default_model, demo, models, Error, FlashAttention, H2oConfig, Model, ModelParams, PromptCache,
-    Sampler, SamplerConfig, Selection, Session, SessionConfig,
+    default_model, demo, models, Error, FlashAttention, Generation, H2oConfig, Model, ModelParams,
+    PromptCache, Sampler, SamplerConfig, Selection, Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
@@ -334,7 +334,38 @@ fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
 
 fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     h2o_llama::set_log_echo(cli.verbose);
-    let show_progress = !cli.json && std::io::stderr().is_terminal();
+    let config = session_config(cli)?;
+    // Fail on bad parameters before any download or model load.
+    config.validate()?;
+    let (prompt_text, prompt_source) = read_prompt(cli)?;
+    if prompt_text.trim().is_empty() {
+        return Err(Error::EmptyPrompt.into());
+    }
+
+    let model = load_model(cli.model.as_deref(), cli.n_gpu_layers, cli.json, &interrupt)?;
+    let mut session = Session::new(&model, config)?;
+    session.set_interrupt_flag(interrupt);
+    let prompt = match cli.synthetic_prompt {
+        Some(n) => demo::prompt_tokens(&model, n)?,
+        None => model.tokenize(&prompt_text, true, true)?,
+    };
+    if prompt.is_empty() {
+        return Err(Error::EmptyPrompt.into());
+    }
+    let mut sampler = Sampler::new(&sampler_config(cli))?;
+    if !cli.json {
+        print_header(&model, &session, &prompt_text, prompt_source, prompt.len());
+    }
+    let cached = match &cli.prompt_cache {
+        Some(path) => use_prompt_cache(&mut session, path, &prompt, cli.json)?,
+        None => 0,
+    };
+    let generation = prefill_and_generate(cli, &mut session, &prompt[cached..], &mut sampler)?;
+    report(cli, &model, &session, &generation, cached)
+}
+
+/// The session the flags describe.
+fn session_config(cli: &Cli) -> Result<SessionConfig> {
     // Taken as signed so that a negative value gets a message naming the flag, not clap's
     // "unexpected argument '-5'".
     let count = |flag: &str, v: i64| {
@@ -349,7 +380,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         count("--h2o-local", cli.h2o_local)?,
         count("--h2o-heavy", cli.h2o_heavy)?,
     );
-    let config = SessionConfig {
+    Ok(SessionConfig {
         n_ctx: cli.ctx_size,
         n_batch: cli.batch_size,
         n_ubatch: cli.ubatch_size,
@@ -361,27 +392,11 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         },
         h2o: h2o.is_enabled().then_some(h2o),
         ..SessionConfig::default()
-    };
-    // Fail on bad parameters before any download or model load.
-    config.validate()?;
-    let (prompt_text, prompt_source) = read_prompt(cli)?;
-    if prompt_text.trim().is_empty() {
-        return Err(Error::EmptyPrompt.into());
-    }
+    })
+}
 
-    let model = load_model(cli.model.as_deref(), cli.n_gpu_layers, cli.json, &interrupt)?;
-    let mut session = Session::new(&model, config)?;
-    session.set_interrupt_flag(interrupt);
-    // -b and -ub as llama.cpp put them into effect (capped at -c)
-    let config = session.config().clone();
-    let prompt = match cli.synthetic_prompt {
-        Some(n) => demo::prompt_tokens(&model, n)?,
-        None => model.tokenize(&prompt_text, true, true)?,
-    };
-    if prompt.is_empty() {
-        return Err(Error::EmptyPrompt.into());
-    }
-    let sampler_config = SamplerConfig {
+fn sampler_config(cli: &Cli) -> SamplerConfig {
+    SamplerConfig {
         temperature: cli.temp,
         top_k: cli.top_k,
         top_p: cli.top_p,
@@ -390,51 +405,62 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.subsec_nanos())
         }),
-    };
-    let mut sampler = Sampler::new(&sampler_config)?;
-
-    if !cli.json {
-        eprintln!(
-            "h2o-cli: {} | prompt: {} ({} tokens) | -c {} -b {} -ub {} | {}",
-            model.description(),
-            prompt_source,
-            prompt.len(),
-            session.n_ctx(),
-            config.n_batch,
-            config.n_ubatch,
-            if h2o.is_enabled() {
-                format!("H2O L={} H={}", h2o.local, h2o.heavy)
-            } else {
-                "full attention".into()
-            }
-        );
-        if let Some(st) = session.h2o_state() {
-            eprintln!(
-                "h2o-cli: H2O state: L={} H={} (memory M={}) chunk S={} | {} layers x {} heads x {} positions | {:.2} MiB",
-                st.local,
-                st.heavy,
-                st.memory_size,
-                st.chunk_size,
-                st.n_layer,
-                st.n_head,
-                st.kv_size,
-                st.size_bytes as f64 / (1024.0 * 1024.0)
-            );
-        }
-        if prompt_source == "demo" {
-            let tail: String = prompt_text
-                .lines()
-                .rev()
-                .take(2)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join("\n");
-            eprintln!("h2o-cli: demo prompt ends with:\n{tail}");
-        }
     }
-    let mut stdout = std::io::stdout().lock();
+}
+
+/// What runs, on stderr: the model, the prompt, the flags in effect and the H2O state.
+fn print_header(
+    model: &Model,
+    session: &Session,
+    prompt_text: &str,
+    prompt_source: &str,
+    n_prompt: usize,
+) {
+    // -b and -ub as llama.cpp put them into effect (capped at -c)
+    let config = session.config();
+    eprintln!(
+        "h2o-cli: {} | prompt: {} ({} tokens) | -c {} -b {} -ub {} | {}",
+        model.description(),
+        prompt_source,
+        n_prompt,
+        session.n_ctx(),
+        config.n_batch,
+        config.n_ubatch,
+        match config.h2o {
+            Some(h2o) => format!("H2O L={} H={}", h2o.local, h2o.heavy),
+            None => "full attention".into(),
+        }
+    );
+    if let Some(st) = session.h2o_state() {
+        eprintln!(
+            "h2o-cli: H2O state: L={} H={} (memory M={}) chunk S={} | {} layers x {} heads x {} positions | {:.2} MiB",
+            st.local,
+            st.heavy,
+            st.memory_size,
+            st.chunk_size,
+            st.n_layer,
+            st.n_head,
+            st.kv_size,
+            st.size_bytes as f64 / (1024.0 * 1024.0)
+        );
+    }
+    if prompt_source == "demo" {
+        let lines: Vec<&str> = prompt_text.lines().collect();
+        let tail = lines[lines.len().saturating_sub(2)..].join("\n");
+        eprintln!("h2o-cli: demo prompt ends with:\n{tail}");
+    }
+}
+
+/// Evaluates `rest` (the prompt less what a prompt cache held) and generates, printing the text
+/// as it comes unless `--json`. With `--logits-out` or `--prompt-cache` the prefill runs on its
+/// own, so that the logits and the state are saved before sampling.
+fn prefill_and_generate(
+    cli: &Cli,
+    session: &mut Session,
+    rest: &[h2o_llama::Token],
+    sampler: &mut Sampler,
+) -> Result<Generation> {
+    let show_progress = !cli.json && std::io::stderr().is_terminal();
     let progress = |done: usize, total: usize| {
         if show_progress && done < total {
             eprint!("\r\x1b[Kprefill: {done}/{total} prompt tokens");
@@ -442,6 +468,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
             eprint!("\r\x1b[K"); // prefill over: leave the line to the generated text
         }
     };
+    let mut stdout = std::io::stdout().lock();
     let on_text = |piece: &str| {
         if !cli.json {
             let _ = stdout.write_all(piece.as_bytes());
@@ -449,41 +476,50 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         }
         true
     };
-    let cached = match &cli.prompt_cache {
-        Some(path) => use_prompt_cache(&mut session, path, &prompt, cli.json)?,
-        None => 0,
-    };
-    let generation = if cli.logits_out.is_none() && cli.prompt_cache.is_none() {
-        session.generate_with_progress(&prompt, &mut sampler, cli.n_predict, progress, on_text)?
-    } else {
-        // prefill on its own so that the logits and the state can be saved before sampling
-        let rest = &prompt[cached..];
-        let start = std::time::Instant::now();
-        session.evaluate_with_progress(rest, progress)?;
-        let prefill = start.elapsed();
-        if let Some(path) = &cli.logits_out {
-            let logits = session.logits().context("no logits after the prompt")?;
-            let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
-            std::fs::write(path, bytes)
-                .with_context(|| format!("cannot write the logits to {}", path.display()))?;
+    if cli.logits_out.is_none() && cli.prompt_cache.is_none() {
+        return Ok(session.generate_with_progress(
+            rest,
+            sampler,
+            cli.n_predict,
+            progress,
+            on_text,
+        )?);
+    }
+    let start = std::time::Instant::now();
+    session.evaluate_with_progress(rest, progress)?;
+    let prefill = start.elapsed();
+    if let Some(path) = &cli.logits_out {
+        let logits = session.logits().context("no logits after the prompt")?;
+        let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(path, bytes)
+            .with_context(|| format!("cannot write the logits to {}", path.display()))?;
+    }
+    if let Some(path) = &cli.prompt_cache {
+        session.save_state(path)?;
+        if !cli.json {
+            eprintln!(
+                "h2o-cli: prompt cache {}: saved {} tokens",
+                path.display(),
+                session.n_past()
+            );
         }
-        if let Some(path) = &cli.prompt_cache {
-            session.save_state(path)?;
-            if !cli.json {
-                eprintln!(
-                    "h2o-cli: prompt cache {}: saved {} tokens",
-                    path.display(),
-                    session.n_past()
-                );
-            }
-        }
-        let mut g =
-            session.generate_with_progress(&[], &mut sampler, cli.n_predict, |_, _| {}, on_text)?;
-        g.timings.prompt_tokens = rest.len();
-        g.timings.prefill = prefill;
-        g.timings.time_to_first_token += prefill;
-        g
-    };
+    }
+    let mut g = session.generate_with_progress(&[], sampler, cli.n_predict, |_, _| {}, on_text)?;
+    g.timings.prompt_tokens = rest.len();
+    g.timings.prefill = prefill;
+    g.timings.time_to_first_token += prefill;
+    Ok(g)
+}
+
+/// The run's figures: one JSON record with `--json`, else two summary lines on stderr.
+fn report(
+    cli: &Cli,
+    model: &Model,
+    session: &Session,
+    generation: &Generation,
+    cached: usize,
+) -> Result<()> {
+    let config = session.config();
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
     let h2o_state = session.h2o_state();
@@ -493,6 +529,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     } else {
         0
     };
+    let mut stdout = std::io::stdout().lock();
     if cli.json {
         let record = Record {
             model: model.path().display().to_string(),
@@ -517,32 +554,32 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         };
         serde_json::to_writer(&mut stdout, &record)?;
         writeln!(stdout)?;
-    } else {
-        writeln!(stdout)?;
-        let attention = match h2o_state {
-            Some(st) => format!(
-                "H2O: {sparse_chunks} of {chunks} chunks sparse, memory {} tokens (L={} H={}), state {:.2} MiB",
-                st.memory_size,
-                st.local,
-                st.heavy,
-                st.size_bytes as f64 / (1024.0 * 1024.0)
-            ),
-            None => "full attention".into(),
-        };
-        eprintln!("h2o-cli: {attention}");
-        eprintln!(
-            "h2o-cli: prompt tokens {} | chunks {} (-ub {}) | time to first token {:.2} s | prefill {:.1} tok/s | \
-             decode {:.1} tok/s ({} tokens{})",
-            t.prompt_tokens,
-            chunks,
-            config.n_ubatch,
-            t.time_to_first_token.as_secs_f64(),
-            t.prefill_tokens_per_second(),
-            t.decode_tokens_per_second(),
-            t.generated_tokens,
-            if generation.stopped_at_eog { ", stopped at end of generation" } else { "" }
-        );
+        return Ok(());
     }
+    writeln!(stdout)?;
+    let attention = match h2o_state {
+        Some(st) => format!(
+            "H2O: {sparse_chunks} of {chunks} chunks sparse, memory {} tokens (L={} H={}), state {:.2} MiB",
+            st.memory_size,
+            st.local,
+            st.heavy,
+            st.size_bytes as f64 / (1024.0 * 1024.0)
+        ),
+        None => "full attention".into(),
+    };
+    eprintln!("h2o-cli: {attention}");
+    eprintln!(
+        "h2o-cli: prompt tokens {} | chunks {} (-ub {}) | time to first token {:.2} s | prefill {:.1} tok/s | \
+         decode {:.1} tok/s ({} tokens{})",
+        t.prompt_tokens,
+        chunks,
+        config.n_ubatch,
+        t.time_to_first_token.as_secs_f64(),
+        t.prefill_tokens_per_second(),
+        t.decode_tokens_per_second(),
+        t.generated_tokens,
+        if generation.stopped_at_eog { ", stopped at end of generation" } else { "" }
+    );
     Ok(())
 }
 
