@@ -48,7 +48,10 @@ pub enum H2oError {
     #[error("the session has no H2O state: create it with an H2oConfig (--h2o-local/--h2o-heavy)")]
     Disabled,
     /// `LLAMA_H2O_STATUS_INVALID_LAYER`.
-    #[error("layer {layer} does not exist: the model has layers 0..{n_layer}")]
+    #[error(
+        "layer {layer} has no H2O state: {n_layer} layers have it (all of a dense model's, the \
+         non-SWA ones of a sliding-window model; Session::h2o_layers lists them)"
+    )]
     InvalidLayer { layer: u32, n_layer: u32 },
     /// `LLAMA_H2O_STATUS_INVALID_HEAD`.
     #[error("query head {head} does not exist: the model has heads 0..{n_head}")]

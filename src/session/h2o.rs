@@ -18,7 +18,8 @@ pub struct H2oState {
     pub memory_size: u32,
     /// S = `n_ubatch`, positions per chunk.
     pub chunk_size: u32,
-    /// Layers with H2O state.
+    /// Layers with H2O state: all of a dense model's, the non-SWA ones of a model with
+    /// interleaved sliding-window layers ([`Session::h2o_layers`] says which).
     pub n_layer: u32,
     /// Query heads per layer; memory sets and scores are per query head.
     pub n_head: u32,
@@ -131,8 +132,32 @@ impl Session<'_> {
         Ok(scores)
     }
 
+    /// The model layers that hold H2O state, ascending: every layer of a dense model, the
+    /// non-SWA (global) layers of a model with interleaved sliding-window layers such as Gemma 3.
+    /// Empty when the session runs full attention.
+    #[must_use]
+    pub fn h2o_layers(&self) -> Vec<u32> {
+        #[cfg(feature = "stock")]
+        {
+            Vec::new()
+        }
+        #[cfg(not(feature = "stock"))]
+        {
+            let Some(state) = self.h2o_state() else {
+                return Vec::new();
+            };
+            let mut ids = vec![0i32; state.n_layer as usize];
+            // SAFETY: `ids` has room for the n_layer values written.
+            let rc = unsafe {
+                sys::llama_h2o_get_layers(self.ctx.as_ptr(), ids.as_mut_ptr(), ids.len())
+            };
+            ids.truncate(rc.max(0) as usize);
+            ids.into_iter().map(|il| il as u32).collect()
+        }
+    }
+
     fn check_h2o_head(&self, state: &H2oState, layer: u32, head: u32) -> Result<()> {
-        if layer >= state.n_layer {
+        if !self.h2o_layers().contains(&layer) {
             return Err(H2oError::InvalidLayer {
                 layer,
                 n_layer: state.n_layer,

@@ -60,7 +60,7 @@ pub fn h2o_snapshot(s: &Session<'_>) -> H2oSnapshot {
     let st = s.h2o_state().expect("H2O state");
     let mut memory_sets = Vec::new();
     let mut scores = Vec::new();
-    for layer in 0..st.n_layer {
+    for layer in s.h2o_layers() {
         for head in 0..st.n_head {
             memory_sets.push(s.h2o_memory_set(layer, head).unwrap().slots);
             scores.push(s.h2o_scores(layer, head, 0..s.n_past()).unwrap());
