@@ -106,9 +106,9 @@ fn gemma3_with_sliding_window_layers_equals_stock_with_h2o_off_and_within_one_ch
     let gemma = h2o_llama::models::GEMMA3_270M
         .ensure(|m| eprintln!("{m}"))
         .expect("Gemma 3 270M is needed by this test");
-    // Gemma's continuation reaches a near-tie ("\n" against "\n\n") where the K/V its prefill
-    // wrote through F32 attention and through F16 flash attention part ways; the prompt's own
-    // logits are held to stock's kernel spread and argmax like the default model's.
+    // Gemma's greedy continuation after the short prompt differs from stock's at its fifth token
+    // ("\n" where both stock kernels pick "\n\n"; cause not isolated yet, README), so only the
+    // prompt's logits are held to stock's kernel spread and argmax here.
     check_against_stock(&gemma, "stock-equivalence-gemma3", false);
 }
 
