@@ -1,0 +1,111 @@
+//! Softmax attention over explicit key sets, and the exact merge of two partial softmaxes
+//! (seed 002, Alg. 1): the arithmetic every part of the reference shares.
+
+/// Unnormalised softmax state of one query row over some keys: running max `m`, sum of
+/// `exp(logit − m)` `l`, and `o = Σ exp(logit − m) · v`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartialSoftmax {
+    pub m: f64,
+    pub l: f64,
+    pub o: Vec<f64>,
+}
+
+impl PartialSoftmax {
+    /// The state of attending to no key: contributes nothing to a merge.
+    #[must_use]
+    pub fn empty(dv: usize) -> Self {
+        Self {
+            m: f64::NEG_INFINITY,
+            l: 0.0,
+            o: vec![0.0; dv],
+        }
+    }
+
+    /// The normalised output `o / l`.
+    #[must_use]
+    pub fn output(&self) -> Vec<f64> {
+        self.o.iter().map(|x| x / self.l).collect()
+    }
+}
+
+/// Exact merge of two partial softmaxes over disjoint key sets (seed 002, Alg. 1).
+#[must_use]
+pub fn merge_partial_softmax(a: &PartialSoftmax, b: &PartialSoftmax) -> PartialSoftmax {
+    if a.l == 0.0 {
+        return b.clone();
+    }
+    if b.l == 0.0 {
+        return a.clone();
+    }
+    let m = a.m.max(b.m);
+    let (wa, wb) = ((a.m - m).exp(), (b.m - m).exp());
+    PartialSoftmax {
+        m,
+        l: a.l * wa + b.l * wb,
+        o: a.o.iter().zip(&b.o).map(|(x, y)| x * wa + y * wb).collect(),
+    }
+}
+/// Row-major matrix of `rows × cols`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f64>,
+}
+
+impl Matrix {
+    #[must_use]
+    pub fn new(rows: usize, cols: usize, data: Vec<f64>) -> Self {
+        assert_eq!(data.len(), rows * cols, "matrix data has the wrong length");
+        Self { rows, cols, data }
+    }
+
+    #[must_use]
+    pub fn row(&self, r: usize) -> &[f64] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+pub(crate) fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+/// Softmax of query `i` over `keys`: the partial state and the attention weights (one per key).
+pub(crate) fn attend(
+    q: &[f64],
+    k: &Matrix,
+    v: &Matrix,
+    scale: f64,
+    keys: &[usize],
+) -> (PartialSoftmax, Vec<f64>) {
+    if keys.is_empty() {
+        return (PartialSoftmax::empty(v.cols), vec![]);
+    }
+    let logits: Vec<f64> = keys.iter().map(|&j| scale * dot(q, k.row(j))).collect();
+    let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
+    let l: f64 = p.iter().sum();
+    let mut o = vec![0.0; v.cols];
+    for (&j, &pj) in keys.iter().zip(&p) {
+        for (od, vd) in o.iter_mut().zip(v.row(j)) {
+            *od += pj * vd;
+        }
+    }
+    let weights = p.iter().map(|x| x / l).collect();
+    (PartialSoftmax { m, l, o }, weights)
+}
+
+/// Dense softmax attention of each query `i` over the explicit key set `key_sets[i]`.
+#[must_use]
+pub fn dense_attention(
+    q: &Matrix,
+    k: &Matrix,
+    v: &Matrix,
+    scale: f64,
+    key_sets: &[Vec<usize>],
+) -> Matrix {
+    let mut out = Vec::with_capacity(q.rows * v.cols);
+    for (i, keys) in key_sets.iter().enumerate() {
+        out.extend(attend(q.row(i), k, v, scale, keys).0.output());
+    }
+    Matrix::new(q.rows, v.cols, out)
+}
