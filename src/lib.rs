@@ -37,6 +37,7 @@ pub mod demo;
 pub mod engine_rule;
 mod error;
 pub mod eval;
+pub mod heavy_hitters;
 mod model;
 pub mod models;
 pub mod reference;
