@@ -479,6 +479,57 @@ pub fn run(
     Ok(all)
 }
 
+/// One prompt and every contender's answer to it.
+#[derive(Debug, serde::Serialize)]
+pub struct Record<'a> {
+    pub prompt: &'a Prompt,
+    pub answers: Vec<&'a Answer>,
+}
+
+/// A run's JSON record (`h2o-cli eval --json`): the contenders, their totals and every answer.
+#[derive(Debug, serde::Serialize)]
+pub struct Report<'a> {
+    pub model: String,
+    pub seed: u64,
+    pub n_ubatch: u32,
+    pub contenders: &'a [Contender],
+    /// correct answers per contender, over all prompts
+    pub correct: Vec<usize>,
+    pub prompts: Vec<Record<'a>>,
+}
+
+impl<'a> Report<'a> {
+    /// `answers[c][p]` is contender `c`'s answer to prompt `p`, as [`run`] returns them.
+    #[must_use]
+    pub fn new(
+        model: String,
+        seed: u64,
+        n_ubatch: u32,
+        contenders: &'a [Contender],
+        prompts: &'a [Prompt],
+        answers: &'a [Vec<Answer>],
+    ) -> Self {
+        Self {
+            model,
+            seed,
+            n_ubatch,
+            contenders,
+            correct: answers
+                .iter()
+                .map(|a| score(a, 0..prompts.len()).0)
+                .collect(),
+            prompts: prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| Record {
+                    prompt: p,
+                    answers: answers.iter().map(|a| &a[i]).collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Correct answers out of prompts, for the prompts of `rows`.
 #[must_use]
 pub fn score(answers: &[Answer], rows: impl IntoIterator<Item = usize>) -> (usize, usize) {

@@ -66,23 +66,6 @@ pub struct EvalArgs {
     png_dir: Option<PathBuf>,
 }
 
-#[derive(serde::Serialize)]
-struct Record<'a> {
-    prompt: &'a eval::Prompt,
-    answers: Vec<&'a eval::Answer>,
-}
-
-#[derive(serde::Serialize)]
-struct Report<'a> {
-    model: String,
-    seed: u64,
-    n_ubatch: u32,
-    contenders: &'a [Contender],
-    /// correct answers per contender, over all prompts
-    correct: Vec<usize>,
-    prompts: Vec<Record<'a>>,
-}
-
 fn parse_policy(shape: &crate::H2oShape, spec: &str) -> Result<H2oConfig> {
     let parts: Vec<&str> = spec.split(':').collect();
     if parts.len() > 3 || parts[0].is_empty() {
@@ -107,15 +90,9 @@ fn contender_name(h: &H2oConfig) -> String {
     format!("{} sink {} tail {}", h.select, h.sink, h.dense_tail)
 }
 
-pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
-    let tasks = if args.tasks.is_empty() {
-        Task::ALL.to_vec()
-    } else {
-        args.tasks.clone()
-    };
-    if args.lengths.is_empty() || args.depths.is_empty() || args.samples == 0 {
-        bail!("nothing to run: give at least one --lengths, one --depths and --samples 1 or more");
-    }
+/// Full attention, then the H2O policies of `--policies` (or the seed rule and the `--h2o-*`
+/// flags), each once.
+fn contenders(args: &EvalArgs) -> Result<Vec<Contender>> {
     let mut contenders = vec![Contender {
         name: "full attention".into(),
         h2o: None,
@@ -140,6 +117,11 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             });
         }
     }
+    Ok(contenders)
+}
+
+/// The session every contender runs in, but for its H2O settings; each contender's is validated.
+fn base_config(args: &EvalArgs, contenders: &[Contender]) -> Result<SessionConfig> {
     let max_len = *args.lengths.iter().max().unwrap_or(&0);
     let base = SessionConfig {
         n_ctx: u32::try_from(max_len + ANSWER_ROOM).unwrap_or(u32::MAX),
@@ -148,17 +130,32 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
         ..SessionConfig::default()
     };
-    for c in &contenders {
+    for c in contenders {
         SessionConfig {
             h2o: c.h2o,
             ..base.clone()
         }
         .validate()?;
     }
+    Ok(base)
+}
+
+pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    let tasks = if args.tasks.is_empty() {
+        Task::ALL.to_vec()
+    } else {
+        args.tasks.clone()
+    };
+    if args.lengths.is_empty() || args.depths.is_empty() || args.samples == 0 {
+        bail!("nothing to run: give at least one --lengths, one --depths and --samples 1 or more");
+    }
+    let contenders = contenders(args)?;
+    let base = base_config(args, &contenders)?;
     if let Some(dir) = &args.png_dir {
         std::fs::create_dir_all(dir)?;
     }
     let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let max_len = *args.lengths.iter().max().unwrap_or(&0);
     let n_train = model.n_ctx_train() as usize;
     if max_len + ANSWER_ROOM > n_train {
         bail!(
@@ -193,41 +190,43 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         eprint!("\r\x1b[K");
     }
     if args.json {
-        let report = Report {
-            model: model.path().display().to_string(),
-            seed: args.seed,
-            n_ubatch: args.shape.ubatch_size,
-            contenders: &contenders,
-            correct: answers
-                .iter()
-                .map(|a| eval::score(a, 0..prompts.len()).0)
-                .collect(),
-            prompts: prompts
-                .iter()
-                .enumerate()
-                .map(|(i, p)| Record {
-                    prompt: p,
-                    answers: answers.iter().map(|a| &a[i]).collect(),
-                })
-                .collect(),
-        };
+        let report = eval::Report::new(
+            model.path().display().to_string(),
+            args.seed,
+            args.shape.ubatch_size,
+            &contenders,
+            &prompts,
+            &answers,
+        );
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", eval::markdown(&prompts, &contenders, &answers));
     }
     if let Some(dir) = &args.png_dir {
-        for (c, a) in contenders.iter().zip(&answers) {
-            let file = dir.join(format!("eval-{}.png", c.name.replace(' ', "-")));
-            let cells = eval::grid(&prompts, a, &args.depths, &args.lengths);
-            let (ok, n) = eval::score(a, 0..prompts.len());
-            let title = format!(
-                "{}: {ok}/{n} answered (-ub {})",
-                c.name, args.shape.ubatch_size
-            );
-            h2o_llama::chart::accuracy_heatmap(&file, &title, &args.depths, &args.lengths, &cells)?;
-            if !args.json {
-                eprintln!("h2o-cli eval: heatmap written to {}", file.display());
-            }
+        draw_heatmaps(args, dir, &contenders, &prompts, &answers)?;
+    }
+    Ok(())
+}
+
+/// One accuracy heatmap (depth × length) per contender, into `dir`.
+fn draw_heatmaps(
+    args: &EvalArgs,
+    dir: &std::path::Path,
+    contenders: &[Contender],
+    prompts: &[eval::Prompt],
+    answers: &[Vec<eval::Answer>],
+) -> Result<()> {
+    for (c, a) in contenders.iter().zip(answers) {
+        let file = dir.join(format!("eval-{}.png", c.name.replace(' ', "-")));
+        let cells = eval::grid(prompts, a, &args.depths, &args.lengths);
+        let (ok, n) = eval::score(a, 0..prompts.len());
+        let title = format!(
+            "{}: {ok}/{n} answered (-ub {})",
+            c.name, args.shape.ubatch_size
+        );
+        h2o_llama::chart::accuracy_heatmap(&file, &title, &args.depths, &args.lengths, &cells)?;
+        if !args.json {
+            eprintln!("h2o-cli eval: heatmap written to {}", file.display());
         }
     }
     Ok(())

@@ -612,3 +612,78 @@ fn ctrl_c_stops_a_long_prefill_promptly() {
     );
     eprintln!("stopped {stopped_after:?} after SIGINT");
 }
+
+/// `h2o-cli eval`: the same generated prompts answered by full attention and two H2O policies,
+/// as a JSON record and one heatmap per contender.
+#[test]
+fn eval_scores_full_attention_and_each_policy_on_the_same_prompts() {
+    let dir = common::scratch("eval");
+    let o = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
+        .arg("eval")
+        .arg("-m")
+        .arg(common::model_path())
+        .args([
+            "--tasks",
+            "passkey,kv-lookup",
+            "--lengths",
+            "400",
+            "--depths",
+            "50",
+            "--ubatch-size",
+            "128",
+            "--h2o-local",
+            "32",
+            "--h2o-heavy",
+            "32",
+            "--json",
+            "--png-dir",
+            dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let names: Vec<&str> = r["contenders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "full attention",
+            "h2o sink 0 tail 0",
+            "hybrid sink 4 tail 64"
+        ]
+    );
+    let prompts = r["prompts"].as_array().unwrap();
+    assert_eq!(prompts.len(), 2, "one prompt per task, length and depth");
+    let mut correct = [0u64; 3];
+    for p in prompts {
+        let tokens = p["answers"][0]["prompt_tokens"].as_u64().unwrap();
+        assert!((390..=528).contains(&tokens), "{tokens} prompt tokens");
+        let answers = p["answers"].as_array().unwrap();
+        assert_eq!(answers.len(), 3, "an answer from every contender");
+        for (c, a) in answers.iter().enumerate() {
+            // every contender read the same prompt
+            assert_eq!(a["prompt_tokens"].as_u64(), Some(tokens));
+            correct[c] += u64::from(a["correct"].as_bool().unwrap());
+        }
+    }
+    let totals: Vec<u64> = r["correct"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(totals, correct, "totals are the answers' sum");
+    for name in &names {
+        assert_png(
+            &dir.join(format!("eval-{}.png", name.replace(' ', "-"))),
+            560,
+            150 + 56,
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
