@@ -11,24 +11,11 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::OnceLock;
 
 use h2o_llama::reference::{build_memory_set, H2oParams, MemorySet};
-use h2o_llama::{H2oConfig, Model, ModelParams, Session, SessionConfig, Token};
-
-/// The verified Gemma 3 GGUF, fetched and assembled on first use.
-fn gemma_model() -> PathBuf {
-    h2o_llama::models::GEMMA3_270M
-        .ensure(|m| eprintln!("{m}"))
-        .expect("Gemma 3 270M is needed by this test")
-}
-
-fn gemma() -> &'static Model {
-    static MODEL: OnceLock<Model> = OnceLock::new();
-    MODEL.get_or_init(|| Model::load(gemma_model(), &ModelParams::default()).unwrap())
-}
+use h2o_llama::{H2oConfig, Session, SessionConfig, Token};
 
 fn config(h2o: H2oConfig) -> SessionConfig {
     SessionConfig {
@@ -42,7 +29,7 @@ fn config(h2o: H2oConfig) -> SessionConfig {
 }
 
 fn prompt() -> Vec<Token> {
-    let tokens = gemma()
+    let tokens = common::gemma()
         .tokenize(&h2o_llama::demo::prompt(45), true, true)
         .unwrap();
     assert!(tokens.len() > 4 * 256, "{} tokens", tokens.len());
@@ -52,11 +39,11 @@ fn prompt() -> Vec<Token> {
 #[test]
 fn h2o_runs_on_the_global_layers_and_its_memory_sets_follow_the_rule() {
     let h2o = H2oConfig::seed(64, 64);
-    let mut s = Session::new(gemma(), config(h2o)).unwrap();
+    let mut s = Session::new(common::gemma(), config(h2o)).unwrap();
     // Gemma 3's pattern: layers 5, 11 and 17 are global, the others sliding-window
     assert_eq!(s.h2o_layers(), [5, 11, 17]);
     let st = s.h2o_state().unwrap();
-    assert_eq!((st.n_layer, st.n_head), (3, gemma().n_head()));
+    assert_eq!((st.n_layer, st.n_head), (3, common::gemma().n_head()));
     assert!(
         s.h2o_memory_set(0, 0).is_err(),
         "a window layer has no H2O state"
@@ -104,12 +91,12 @@ fn a_saved_state_continues_as_the_session_that_saved_it() {
     let h2o = H2oConfig::new(64, 64);
     let tokens = prompt();
     let (a, b) = tokens.split_at(300);
-    let mut whole = Session::new(gemma(), config(h2o)).unwrap();
+    let mut whole = Session::new(common::gemma(), config(h2o)).unwrap();
     whole.evaluate(a).unwrap();
     let saved = whole.state_bytes().unwrap();
     whole.evaluate(b).unwrap();
 
-    let mut loaded = Session::new(gemma(), config(h2o)).unwrap();
+    let mut loaded = Session::new(common::gemma(), config(h2o)).unwrap();
     loaded.load_state_bytes(&saved).unwrap();
     loaded.evaluate(b).unwrap();
     assert_eq!(loaded.logits().unwrap(), whole.logits().unwrap());
@@ -132,7 +119,7 @@ fn h2o_cli(model: &Path, extra: &[&str]) -> std::process::Output {
 
 #[test]
 fn h2o_cli_runs_gemma_by_name_with_and_without_h2o() {
-    let model = gemma_model();
+    let model = common::gemma_path();
     for extra in [
         &[][..],
         &["-ub", "256", "--h2o-local", "64", "--h2o-heavy", "64"][..],

