@@ -67,74 +67,13 @@ pub fn select_by_query(
     if candidates.len() <= budget {
         positions.extend(candidates);
     } else {
-        let ranges: Vec<Range<usize>> = (candidates.start / SELECT_BLOCK
-            ..candidates.end.div_ceil(SELECT_BLOCK))
-            .map(|b| {
-                (b * SELECT_BLOCK).max(candidates.start)
-                    ..((b + 1) * SELECT_BLOCK).min(candidates.end)
-            })
-            .collect();
-        let summaries: Vec<(Vec<f64>, Vec<f64>)> = ranges
+        let ranges = block_ranges(&candidates);
+        let summaries: Vec<BlockSummary> = ranges
             .iter()
-            .map(|r| {
-                let d = k.cols;
-                if params.select == Selection::QueryMean {
-                    let mut mean = vec![0.0; d];
-                    for j in r.clone() {
-                        for (m, x) in mean.iter_mut().zip(k.row(j)) {
-                            *m += x;
-                        }
-                    }
-                    let n = r.len() as f64;
-                    (mean.iter().map(|m| m / n).collect(), vec![])
-                } else {
-                    let mut lo = vec![f64::INFINITY; d];
-                    let mut hi = vec![f64::NEG_INFINITY; d];
-                    for j in r.clone() {
-                        for ((l, h), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(k.row(j)) {
-                            *l = l.min(x);
-                            *h = h.max(x);
-                        }
-                    }
-                    (lo, hi)
-                }
-            })
+            .map(|r| BlockSummary::of(k, r.clone(), params.select))
             .collect();
-        let mut score = vec![0.0; ranges.len()];
-        for &i in sample {
-            let qi: Vec<f64> = q.row(i).iter().map(|x| x * scale).collect();
-            let logits: Vec<f64> = summaries
-                .iter()
-                .map(|(lo, hi)| {
-                    if params.select == Selection::QueryMean {
-                        dot(&qi, lo)
-                    } else {
-                        qi.iter()
-                            .zip(lo.iter().zip(hi))
-                            .map(|(x, (l, h))| (x * l).max(x * h))
-                            .sum()
-                    }
-                })
-                .collect();
-            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
-            let sum: f64 = e.iter().sum();
-            for (s, x) in score.iter_mut().zip(&e) {
-                *s += x / sum;
-            }
-        }
-        let mut order: Vec<usize> = (0..ranges.len()).collect();
-        order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
-        let mut left = budget - by_score;
-        let mut in_blocks = Vec::new();
-        for b in order {
-            if left == 0 {
-                break;
-            }
-            let r = ranges[b].start..ranges[b].end.min(ranges[b].start + left);
-            left -= r.len();
-            in_blocks.extend(r);
-        }
+        let score = block_shares(q, scale, sample, &summaries);
+        let in_blocks = take_blocks(&ranges, &score, budget - by_score);
         if by_score > 0 {
             let mut rest: Vec<usize> = candidates
                 .clone()
@@ -154,6 +93,95 @@ pub fn select_by_query(
         set: MemorySet { slots },
         blocks,
     }
+}
+
+/// The candidates cut at multiples of [`SELECT_BLOCK`] (the first and last block may be short).
+fn block_ranges(candidates: &Range<usize>) -> Vec<Range<usize>> {
+    (candidates.start / SELECT_BLOCK..candidates.end.div_ceil(SELECT_BLOCK))
+        .map(|b| {
+            (b * SELECT_BLOCK).max(candidates.start)..((b + 1) * SELECT_BLOCK).min(candidates.end)
+        })
+        .collect()
+}
+
+/// What a query sees of a block of keys.
+enum BlockSummary {
+    /// per-channel minimum and maximum (`Query`, `Hybrid`)
+    Bounds { lo: Vec<f64>, hi: Vec<f64> },
+    /// the mean key (`QueryMean`)
+    Mean(Vec<f64>),
+}
+
+impl BlockSummary {
+    fn of(k: &Matrix, block: Range<usize>, select: Selection) -> Self {
+        let d = k.cols;
+        if select == Selection::QueryMean {
+            let mut mean = vec![0.0; d];
+            for j in block.clone() {
+                for (m, x) in mean.iter_mut().zip(k.row(j)) {
+                    *m += x;
+                }
+            }
+            let n = block.len() as f64;
+            return Self::Mean(mean.iter().map(|m| m / n).collect());
+        }
+        let mut lo = vec![f64::INFINITY; d];
+        let mut hi = vec![f64::NEG_INFINITY; d];
+        for j in block {
+            for ((l, h), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(k.row(j)) {
+                *l = l.min(x);
+                *h = h.max(x);
+            }
+        }
+        Self::Bounds { lo, hi }
+    }
+
+    /// The logit `qi · k̂` of a (scaled) query against the block: the upper bound
+    /// `Σ_d max(q_d·lo_d, q_d·hi_d)`, or the product with the mean key.
+    fn logit(&self, qi: &[f64]) -> f64 {
+        match self {
+            Self::Mean(mean) => dot(qi, mean),
+            Self::Bounds { lo, hi } => qi
+                .iter()
+                .zip(lo.iter().zip(hi))
+                .map(|(x, (l, h))| (x * l).max(x * h))
+                .sum(),
+        }
+    }
+}
+
+/// Each block's summed share in the softmax over the blocks, over the sampled queries.
+fn block_shares(q: &Matrix, scale: f64, sample: &[usize], summaries: &[BlockSummary]) -> Vec<f64> {
+    let mut score = vec![0.0; summaries.len()];
+    for &i in sample {
+        let qi: Vec<f64> = q.row(i).iter().map(|x| x * scale).collect();
+        let logits: Vec<f64> = summaries.iter().map(|b| b.logit(&qi)).collect();
+        let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        for (s, x) in score.iter_mut().zip(&e) {
+            *s += x / sum;
+        }
+    }
+    score
+}
+
+/// The positions of the best-scoring blocks (ties to the lower block), `budget` in all: the
+/// last block taken may be cut short.
+fn take_blocks(ranges: &[Range<usize>], score: &[f64], budget: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+    let mut left = budget;
+    let mut taken = Vec::new();
+    for b in order {
+        if left == 0 {
+            break;
+        }
+        let r = ranges[b].start..ranges[b].end.min(ranges[b].start + left);
+        left -= r.len();
+        taken.extend(r);
+    }
+    taken
 }
 
 #[cfg(test)]
