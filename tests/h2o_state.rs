@@ -335,10 +335,14 @@ fn multi_turn_follows_the_documented_rule() {
 }
 
 /// Issue 18, item 2: `Session::truncate(p)` and then more tokens give exactly what a fresh
-/// session gives that evaluated the same kept tokens the same way. Cutting decoded tokens is free
-/// (they never entered the H2O state; llama.cpp accepts the cut); a cut into prompt positions is
-/// rebuilt by evaluating the kept prefix again: at a chunk boundary, mid-chunk, and inside the
-/// last chunk's local window.
+/// session gives that evaluated the same kept tokens. Cutting decoded tokens is free (they never
+/// entered the H2O state; llama.cpp accepts the cut, and the session is the one that decoded
+/// fewer). A cut into prompt positions keeps the complete chunks below it: llama.cpp puts the H2O
+/// state back at a chunk boundary (patch 0014) and only the tokens from there are evaluated
+/// again. The boundary lies below where a fresh prefill's dense tail starts (a dense tail scores
+/// nothing, so the chunk it falls in must be evaluated again): at a chunk boundary, mid-chunk,
+/// inside the last complete chunk's local window, in the first chunk; for the seed rule (no
+/// tail) and the default policy (a 64-token tail); and across two cuts in a row.
 #[test]
 fn truncate_continues_as_a_fresh_session_would() {
     let m = common::model();
@@ -383,25 +387,70 @@ fn truncate_continues_as_a_fresh_session_would() {
     );
 
     // prompt positions: chunk boundary, mid-chunk, inside the last complete chunk's local window
-    // (positions 352 .. 384 with S = 128, L = 32)
-    for cut in [256, 200, 370] {
-        let mut s = Session::new(m, config.clone()).unwrap();
-        s.evaluate(prompt).unwrap();
-        assert_eq!(s.truncate(cut).unwrap(), cut as usize, "cut at {cut}");
-        assert!(s.logits().is_none());
-        s.evaluate(next).unwrap();
-        let mut fresh = Session::new(m, config.clone()).unwrap();
-        fresh.evaluate(&prompt[..cut as usize]).unwrap();
-        fresh.evaluate(next).unwrap();
-        assert!(
-            s.logits().unwrap() == fresh.logits().unwrap(),
-            "cut at {cut}: logits"
-        );
-        assert!(
-            common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
-            "cut at {cut}: H2O state"
-        );
+    // (positions 352 .. 384 with S = 128, L = 32), the first chunk
+    for h2o in [H2oConfig::seed(32, 32), H2oConfig::new(32, 32)] {
+        let config = SessionConfig {
+            h2o: Some(h2o),
+            ..config.clone()
+        };
+        let tail = h2o.dense_tail;
+        for cut in [256u32, 200, 370, 100] {
+            let mut s = Session::new(m, config.clone()).unwrap();
+            s.evaluate(prompt).unwrap();
+            // the chunk boundary below where a fresh prefill of `cut` tokens starts its tail
+            let boundary = cut.saturating_sub(tail) / 128 * 128;
+            assert_eq!(
+                s.truncate(cut).unwrap(),
+                (cut - boundary) as usize,
+                "{}: cut at {cut}: evaluated again from {boundary}",
+                h2o.select
+            );
+            assert!(s.logits().is_none());
+            s.evaluate(next).unwrap();
+            let mut fresh = Session::new(m, config.clone()).unwrap();
+            fresh.evaluate(&prompt[..cut as usize]).unwrap();
+            fresh.evaluate(next).unwrap();
+            assert!(
+                s.logits().unwrap() == fresh.logits().unwrap(),
+                "{}: cut at {cut}: logits",
+                h2o.select
+            );
+            assert!(
+                common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
+                "{}: cut at {cut}: H2O state",
+                h2o.select
+            );
+        }
     }
+
+    // two cuts in a row, with a call between them that crosses a chunk boundary inside one ubatch
+    // (300 .. 400 passes 384, where llama.cpp records nothing): the second cut still goes back to
+    // an earlier boundary exactly
+    let mut s = Session::new(m, config.clone()).unwrap();
+    s.evaluate(prompt).unwrap();
+    assert_eq!(
+        s.truncate(300).unwrap(),
+        300 - 128,
+        "tail from 236: from 128"
+    );
+    s.evaluate(&prompt[300..]).unwrap();
+    assert_eq!(
+        s.truncate(290).unwrap(),
+        290 - 128,
+        "tail from 226: from 128"
+    );
+    s.evaluate(next).unwrap();
+    let mut fresh = Session::new(m, config.clone()).unwrap();
+    fresh.evaluate(&prompt[..290]).unwrap();
+    fresh.evaluate(next).unwrap();
+    assert!(
+        s.logits().unwrap() == fresh.logits().unwrap(),
+        "two cuts: logits"
+    );
+    assert!(
+        common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
+        "two cuts: H2O state"
+    );
 
     let mut s = Session::new(m, config).unwrap();
     s.evaluate(&prompt[..10]).unwrap();

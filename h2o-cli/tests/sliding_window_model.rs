@@ -106,6 +106,29 @@ fn a_saved_state_continues_as_the_session_that_saved_it() {
     assert_eq!(x.scores, y.scores);
 }
 
+/// Issue 18, item 2 on a model with window layers: a cut into the prompt puts the global layers'
+/// H2O state back at a chunk boundary (the window layers' cache is cut as llama.cpp cuts it),
+/// and continuing gives exactly what a fresh session gives.
+#[test]
+fn truncate_continues_as_a_fresh_session_would() {
+    let h2o = H2oConfig::new(64, 64);
+    let tokens = prompt();
+    let (kept, next) = (&tokens[..700], &tokens[1000..1100]);
+    let mut s = Session::new(common::gemma(), config(h2o)).unwrap();
+    s.evaluate(&tokens[..1000]).unwrap();
+    // a fresh prefill of 700 tokens starts its dense tail at 636: back to the boundary at 512
+    assert_eq!(s.truncate(700).unwrap(), 700 - 512);
+    s.evaluate(next).unwrap();
+    let mut fresh = Session::new(common::gemma(), config(h2o)).unwrap();
+    fresh.evaluate(kept).unwrap();
+    fresh.evaluate(next).unwrap();
+    assert!(s.logits().unwrap() == fresh.logits().unwrap(), "logits");
+    assert!(
+        common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
+        "H2O state"
+    );
+}
+
 fn h2o_cli(model: &Path, extra: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
         .arg("-m")

@@ -131,6 +131,12 @@ pub struct Session<'m> {
     n_past: u32,
     /// The tokens in the cache, in order (`n_past` of them): what a saved state records.
     tokens: Vec<Token>,
+    /// H2O bookkeeping for [`Session::truncate`]: the end of the last prompt call (a call of more
+    /// than one token; what comes after it was decoded, which leaves the H2O state alone), and
+    /// the first position from which the H2O state may differ from a fresh prefill of the same
+    /// tokens (a dense tail scores nothing, nor does a one-token call).
+    prompt_end: u32,
+    fresh_until: u32,
     has_logits: bool,
     interrupt: Option<Arc<AtomicBool>>,
     /// Filled by llama.cpp's eval callback when `capture_attention` is on; boxed so that the
@@ -224,6 +230,8 @@ impl<'m> Session<'m> {
             config,
             n_ctx,
             n_past: 0,
+            prompt_end: 0,
+            fresh_until: u32::MAX,
             tokens: Vec::new(),
             has_logits: false,
             interrupt: None,
@@ -287,16 +295,27 @@ impl<'m> Session<'m> {
         }
         self.n_past = 0;
         self.tokens.clear();
+        self.prompt_end = 0;
+        self.fresh_until = u32::MAX;
         self.has_logits = false;
     }
 
     /// Keeps the first `n` tokens of the session and forgets the rest, as llama-cli and
     /// llama-server do to reuse a cached prompt prefix (regenerate, the next turn of a chat).
-    /// Returns how many tokens had to be evaluated again: 0 where llama.cpp could cut the cache
-    /// (always with full attention; with H2O when only decoded tokens go, since they never
-    /// entered the H2O state); otherwise the H2O state of the cut could not be undone exactly,
-    /// so the kept tokens are evaluated again from an empty cache, which gives exactly what a
-    /// fresh session evaluating them gives. [`Session::logits`] is `None` afterwards.
+    /// Returns how many tokens had to be evaluated again.
+    ///
+    /// With full attention llama.cpp cuts the cache and nothing is evaluated again. With H2O:
+    /// - where only decoded tokens go, the cache is cut as it is (they never entered the H2O
+    ///   state), and the session is the one that decoded fewer;
+    /// - otherwise the session becomes exactly what a fresh session gives that evaluates the kept
+    ///   tokens: llama.cpp puts the H2O state back at a chunk boundary below `n` (patch 0014) and
+    ///   the tokens from there are evaluated again, in the calls a fresh session makes. The
+    ///   boundary is the last one before where a fresh prefill's dense tail would start, and
+    ///   before any dense tail or decoded token in the session's own history (which a fresh
+    ///   prefill does not have); where llama.cpp cannot go back that far, the kept tokens are
+    ///   evaluated again from an empty cache.
+    ///
+    /// [`Session::logits`] is `None` afterwards.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when `n` exceeds [`Session::n_past`]; as
@@ -308,10 +327,47 @@ impl<'m> Session<'m> {
                 self.n_past
             )));
         }
-        if n == self.n_past {
-            self.has_logits = false;
+        self.has_logits = false;
+        if n == self.n_past || ((self.config.h2o.is_none() || n >= self.prompt_end) && self.cut(n))
+        {
             return Ok(0);
         }
+        let s = self.config.n_ubatch;
+        let boundary = self.fresh_tail_start(n).min(self.fresh_until) / s * s;
+        let kept = self.tokens[..n as usize].to_vec();
+        let from = if boundary > 0 && self.cut(boundary) {
+            // nothing of the history after the boundary is left
+            self.fresh_until = u32::MAX;
+            boundary as usize
+        } else {
+            self.reset();
+            0
+        };
+        if from < kept.len() {
+            self.evaluate_in_calls(&kept[from..], true, |_, _| {})?;
+        }
+        self.has_logits = false;
+        Ok(kept.len() - from)
+    }
+
+    /// Where the H2O state of a fresh session that evaluates `n` tokens stops being a plain
+    /// prefill's: its last call's dense tail, or its last call when that holds one token
+    /// (decode); `n` when neither.
+    fn fresh_tail_start(&self, n: u32) -> u32 {
+        let n_batch = self.config.n_batch;
+        let last_call = (n.max(1) - 1) / n_batch * n_batch;
+        match self.config.h2o {
+            Some(_) if n_batch == 1 => 0,
+            Some(_) => self
+                .unscored_from(last_call, (n - last_call) as usize, true)
+                .min(n),
+            None => n,
+        }
+    }
+
+    /// `llama_memory_seq_rm` keeping positions `[0, n)`; false where llama.cpp refuses the cut
+    /// (the cache is then unchanged).
+    fn cut(&mut self, n: u32) -> bool {
         backend::clear_recent_log();
         // SAFETY: valid context and its memory; n <= n_past fits in i32 (n_ctx does).
         let cut = unsafe {
@@ -320,16 +376,9 @@ impl<'m> Session<'m> {
         if cut {
             self.n_past = n;
             self.tokens.truncate(n as usize);
-            self.has_logits = false;
-            return Ok(0);
+            self.prompt_end = self.prompt_end.min(n);
         }
-        let kept = self.tokens[..n as usize].to_vec();
-        self.reset();
-        if !kept.is_empty() {
-            self.evaluate(&kept)?;
-        }
-        self.has_logits = false;
-        Ok(kept.len())
+        cut
     }
 
     /// Appends `tokens` to the sequence, in `llama_decode` calls of at most `n_batch` tokens.
@@ -350,22 +399,61 @@ impl<'m> Session<'m> {
     pub fn evaluate_with_progress(
         &mut self,
         tokens: &[Token],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<()> {
+        self.evaluate_in_calls(tokens, false, progress)
+    }
+
+    /// Evaluates `tokens` in calls of at most `n_batch`; with `aligned`, the calls end at
+    /// multiples of `n_batch` as those of a session that evaluated everything from position 0.
+    fn evaluate_in_calls(
+        &mut self,
+        tokens: &[Token],
+        aligned: bool,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<()> {
         self.check_prompt(tokens)?;
         self.has_logits = false;
+        let n_batch = self.config.n_batch as usize;
         let mut done = 0;
-        for piece in tokens.chunks(self.config.n_batch as usize) {
+        while done < tokens.len() {
+            let room = if aligned {
+                n_batch - self.n_past as usize % n_batch
+            } else {
+                n_batch
+            };
+            let piece = &tokens[done..tokens.len().min(done + room)];
             let last = done + piece.len() == tokens.len();
             self.batch.fill(piece, self.n_past, last);
             self.decode_batch()?;
+            let start = self.n_past;
             self.n_past += piece.len() as u32;
             self.tokens.extend_from_slice(piece);
+            if piece.len() > 1 {
+                self.prompt_end = self.n_past;
+            }
+            self.fresh_until = self
+                .fresh_until
+                .min(self.unscored_from(start, piece.len(), last));
             done += piece.len();
             progress(done, tokens.len());
         }
         self.has_logits = true;
         Ok(())
+    }
+
+    /// The first position of a call (at `start`, `len` tokens; `logits`: its last one asks for
+    /// them) whose queries H2O does not score: all of a one-token call (decode), or the dense
+    /// tail of a call that ends a prompt.
+    fn unscored_from(&self, start: u32, len: usize, logits: bool) -> u32 {
+        let end = start + len as u32;
+        match self.config.h2o {
+            Some(_) if len == 1 => start,
+            Some(h2o) if logits && h2o.dense_tail > 0 => {
+                end.saturating_sub(h2o.dense_tail).max(start)
+            }
+            _ => u32::MAX,
+        }
     }
 
     /// Runs `llama_decode` on the filled batch, mapping failures (an interrupted or aborted

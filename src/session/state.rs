@@ -306,6 +306,9 @@ impl Session<'_> {
         }
         self.n_past = tokens.len() as u32; // <= n_ctx (parse_header)
         self.tokens = tokens;
+        // the state's history is not known: a later truncate evaluates the kept tokens again
+        self.prompt_end = self.n_past;
+        self.fresh_until = 0;
         self.has_logits = false;
         Ok(())
     }

@@ -772,7 +772,7 @@ static void test_context_api(llama_model * model) {
     }
     captured_log.clear();
     CHECK(!llama_memory_seq_rm(mem, 0, 200, -1), "cutting into prompt positions accepted");
-    CHECK(captured_log.find("scored positions up to 300, so only the whole sequence, or a tail from position 300 on") != std::string::npos,
+    CHECK(captured_log.find("scored positions up to 300, so it can be removed whole, cut from position 300 on") != std::string::npos,
             "cut refusal message: %s", captured_log.c_str());
     CHECK(llama_memory_seq_pos_max(mem, 0) == 299, "refused cut changed the cache");
     CHECK(!llama_memory_seq_rm(mem, 0, 100, 200), "removing a middle range accepted");
@@ -794,81 +794,130 @@ static void test_context_api(llama_model * model) {
 // the per-sequence state API (llama_state_seq_*) carries the H2O state (patch 0010): a sequence saved after
 // prompt A and restored into a fresh context continues with B exactly as the saving context does; a context with
 // other H2O settings, or none, refuses it
-static void test_seq_state(llama_model * model) {
-    const auto make_ctx = [&](int32_t L_, int32_t H_) {
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx     = 1024;
-        cp.n_batch   = 512;
-        cp.n_ubatch  = 128;
-        cp.n_seq_max = 1;
-        cp.n_threads = cp.n_threads_batch = 2;
-        cp.h2o_local = L_;
-        cp.h2o_heavy = H_;
-        return llama_init_from_model(model, cp);
-    };
-    const auto decode = [](llama_context * ctx, std::vector<llama_token> & toks, llama_pos pos0) {
-        llama_batch batch = llama_batch_init(toks.size(), 0, 1);
-        for (size_t i = 0; i < toks.size(); ++i) {
-            batch.token[i]     = toks[i];
-            batch.pos[i]       = pos0 + (llama_pos) i;
-            batch.n_seq_id[i]  = 1;
-            batch.seq_id[i][0] = 0;
-            batch.logits[i]    = i + 1 == toks.size();
-        }
-        batch.n_tokens = toks.size();
-        const int rc = llama_decode(ctx, batch);
-        llama_batch_free(batch);
-        return rc;
-    };
-    // every score of the stored positions and every memory set, as the C API reads them
-    const auto snapshot = [](llama_context * ctx, int32_t n_pos) {
-        llama_h2o_info info;
-        llama_h2o_get_info(ctx, &info);
-        std::vector<float> out;
-        std::vector<float>   sc(n_pos);
-        std::vector<int32_t> idx(info.n_memory);
-        for (int32_t il = 0; il < info.n_layer; ++il) {
-            for (int32_t ih = 0; ih < info.n_head; ++ih) {
-                llama_h2o_get_scores(ctx, il, ih, 0, n_pos, sc.data());
-                llama_h2o_get_memory_indices(ctx, il, ih, idx.data(), idx.size());
-                out.insert(out.end(), sc.begin(), sc.end());
-                out.insert(out.end(), idx.begin(), idx.end());
-            }
-        }
-        out.push_back(info.n_chunks_done);
-        out.push_back(info.n_tokens_done);
-        return out;
-    };
+// a one-sequence H2O context with S = 128 (n_batch 512)
+static llama_context * small_h2o_ctx(llama_model * model, int32_t L_, int32_t H_) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx     = 1024;
+    cp.n_batch   = 512;
+    cp.n_ubatch  = 128;
+    cp.n_seq_max = 1;
+    cp.n_threads = cp.n_threads_batch = 2;
+    cp.h2o_local = L_;
+    cp.h2o_heavy = H_;
+    return llama_init_from_model(model, cp);
+}
 
+// one llama_decode call of toks at positions pos0.., logits for the last one
+static int decode_at(llama_context * ctx, const std::vector<llama_token> & toks, llama_pos pos0) {
+    llama_batch batch = llama_batch_init(toks.size(), 0, 1);
+    for (size_t i = 0; i < toks.size(); ++i) {
+        batch.token[i]     = toks[i];
+        batch.pos[i]       = pos0 + (llama_pos) i;
+        batch.n_seq_id[i]  = 1;
+        batch.seq_id[i][0] = 0;
+        batch.logits[i]    = i + 1 == toks.size();
+    }
+    batch.n_tokens = toks.size();
+    const int rc = llama_decode(ctx, batch);
+    llama_batch_free(batch);
+    return rc;
+}
+
+// every score of positions [0, n_pos) and every memory set, as the C API reads them, and the chunk progress
+static std::vector<float> h2o_snapshot(llama_context * ctx, int32_t n_pos) {
+    llama_h2o_info info;
+    llama_h2o_get_info(ctx, &info);
+    std::vector<float> out;
+    std::vector<float>   sc(n_pos);
+    std::vector<int32_t> idx(info.n_memory);
+    for (int32_t il = 0; il < info.n_layer; ++il) {
+        for (int32_t ih = 0; ih < info.n_head; ++ih) {
+            llama_h2o_get_scores(ctx, il, ih, 0, n_pos, sc.data());
+            llama_h2o_get_memory_indices(ctx, il, ih, idx.data(), idx.size());
+            out.insert(out.end(), sc.begin(), sc.end());
+            out.insert(out.end(), idx.begin(), idx.end());
+        }
+    }
+    out.push_back(info.n_chunks_done);
+    out.push_back(info.n_tokens_done);
+    return out;
+}
+
+// a sequence cut back to a chunk boundary inside its prompt (patch 0014) holds the H2O state a prefill of the kept
+// positions leaves, and continues as that prefill would; a cut between boundaries is refused and says where to cut
+static void test_cut_to_chunk_boundary(llama_model * model) {
+    std::vector<llama_token> a(300);
+    for (size_t i = 0; i < a.size(); ++i) a[i] = 200 + (int) (i*7 % 5000);
+    const std::vector<llama_token> head(a.begin(), a.begin() + 128), rest(a.begin() + 128, a.end());
+
+    llama_context * ctx   = small_h2o_ctx(model, 32, 32);
+    llama_context * fresh = small_h2o_ctx(model, 32, 32);
+    CHECK(ctx && fresh, "contexts");
+    if (!ctx || !fresh) {
+        llama_free(ctx);
+        llama_free(fresh);
+        return;
+    }
+    llama_memory_t mem = llama_get_memory(ctx);
+    CHECK(decode_at(ctx, a, 0) == 0, "decode A"); // ubatches 0..128, 128..256, 256..300
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    const std::vector<float> logits_a(llama_get_logits_ith(ctx, -1), llama_get_logits_ith(ctx, -1) + n_vocab);
+    const std::vector<float> after_a = h2o_snapshot(ctx, 300);
+
+    captured_log.clear();
+    CHECK(!llama_memory_seq_rm(mem, 0, 200, -1), "a cut between chunk boundaries accepted");
+    CHECK(captured_log.find("to keep [0, 200), cut at 128 and evaluate the positions from there again") != std::string::npos,
+            "cut refusal message: %s", captured_log.c_str());
+    CHECK(h2o_snapshot(ctx, 300) == after_a && llama_memory_seq_pos_max(mem, 0) == 299, "a refused cut changed the cache");
+
+    CHECK(llama_memory_seq_rm(mem, 0, 128, -1), "the cut at the chunk boundary 128 refused: %s", captured_log.c_str());
+    CHECK(llama_memory_seq_pos_max(mem, 0) == 127, "positions kept");
+    CHECK(decode_at(fresh, head, 0) == 0, "fresh prefill of [0, 128)");
+    CHECK(h2o_snapshot(ctx, 300) == h2o_snapshot(fresh, 300), "the H2O state after the cut is not a prefill's of [0, 128)");
+
+    // the same positions again, in the same ubatches: the same logits and state as before the cut
+    CHECK(decode_at(ctx, rest, 128) == 0, "decode after the cut");
+    CHECK(memcmp(llama_get_logits_ith(ctx, -1), logits_a.data(), n_vocab*sizeof(float)) == 0, "logits after the cut and A again");
+    CHECK(h2o_snapshot(ctx, 300) == after_a, "H2O state after the cut and A again");
+
+    // back to the first boundary twice over: the log keeps every recorded boundary
+    CHECK(llama_memory_seq_rm(mem, 0, 256, -1) && llama_memory_seq_rm(mem, 0, 128, -1), "two cuts in a row refused");
+    CHECK(h2o_snapshot(ctx, 300) == h2o_snapshot(fresh, 300), "two cuts in a row: not a prefill's of [0, 128)");
+
+    llama_free(fresh);
+    llama_free(ctx);
+}
+
+static void test_seq_state(llama_model * model) {
     std::vector<llama_token> a(300), b(150);
     for (size_t i = 0; i < a.size(); ++i) a[i] = 200 + (int) (i*7 % 5000);
     for (size_t i = 0; i < b.size(); ++i) b[i] = 300 + (int) (i*11 % 5000);
 
-    llama_context * src = make_ctx(32, 32);
-    CHECK(src && decode(src, a, 0) == 0, "decode A");
+    llama_context * src = small_h2o_ctx(model, 32, 32);
+    CHECK(src && decode_at(src, a, 0) == 0, "decode A");
     if (!src) {
         return;
     }
-    const std::vector<float> after_a = snapshot(src, 300);
+    const std::vector<float> after_a = h2o_snapshot(src, 300);
     std::vector<uint8_t> state(llama_state_seq_get_size(src, 0));
     CHECK(llama_state_seq_get_data(src, state.data(), state.size(), 0) == state.size(), "seq state saved");
 
-    llama_context * dst = make_ctx(32, 32);
+    llama_context * dst = small_h2o_ctx(model, 32, 32);
     CHECK(llama_state_seq_set_data(dst, state.data(), state.size(), 0) == state.size(), "seq state restored");
     CHECK(llama_memory_seq_pos_max(llama_get_memory(dst), 0) == 299, "restored positions");
-    CHECK(snapshot(dst, 300) == after_a, "H2O state after the restore differs from the saved one");
+    CHECK(h2o_snapshot(dst, 300) == after_a, "H2O state after the restore differs from the saved one");
 
-    CHECK(decode(src, b, 300) == 0 && decode(dst, b, 300) == 0, "decode B");
+    CHECK(decode_at(src, b, 300) == 0 && decode_at(dst, b, 300) == 0, "decode B");
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     const float * la = llama_get_logits_ith(src, -1);
     const float * lb = llama_get_logits_ith(dst, -1);
     CHECK(la && lb && memcmp(la, lb, n_vocab*sizeof(float)) == 0, "logits after B differ");
-    CHECK(snapshot(src, 450) == snapshot(dst, 450), "H2O state after B differs");
+    CHECK(h2o_snapshot(src, 450) == h2o_snapshot(dst, 450), "H2O state after B differs");
 
     // refused before anything changes: the context keeps its sequence
     for (const auto & [L_, H_, says] : { std::tuple{ 32, 64, "h2o_heavy" }, std::tuple{ 0, 0, "saved with H2O on" } }) {
-        llama_context * other = make_ctx(L_, H_);
-        CHECK(other && decode(other, b, 0) == 0, "decode into the other context");
+        llama_context * other = small_h2o_ctx(model, L_, H_);
+        CHECK(other && decode_at(other, b, 0) == 0, "decode into the other context");
         captured_log.clear();
         CHECK(llama_state_seq_set_data(other, state.data(), state.size(), 0) == 0, "L %d H %d accepted the state", L_, H_);
         CHECK(captured_log.find(says) != std::string::npos, "refusal for L %d H %d does not say \"%s\": %s", L_, H_, says,
@@ -1007,6 +1056,7 @@ int main(int argc, char ** argv) {
         { "reset",                           [&] { test_reset(*model); } },
         { "C API",                           [&] { test_context_api(model); } },
         { "per-sequence state",              [&] { test_seq_state(model); } },
+        { "cut to a chunk boundary",         [&] { test_cut_to_chunk_boundary(model); } },
     };
 
     int n_failed_tests = 0;
