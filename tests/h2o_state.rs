@@ -339,10 +339,11 @@ fn multi_turn_follows_the_documented_rule() {
 /// entered the H2O state; llama.cpp accepts the cut, and the session is the one that decoded
 /// fewer). A cut into prompt positions keeps the complete chunks below it: llama.cpp puts the H2O
 /// state back at a chunk boundary (patch 0014) and only the tokens from there are evaluated
-/// again. The boundary lies below where a fresh prefill's dense tail starts (a dense tail scores
-/// nothing, so the chunk it falls in must be evaluated again): at a chunk boundary, mid-chunk,
-/// inside the last complete chunk's local window, in the first chunk; for the seed rule (no
-/// tail) and the default policy (a 64-token tail); and across two cuts in a row.
+/// again (with `h2o_undo_log`; without it, all kept tokens are). The boundary lies below where a
+/// fresh prefill's dense tail starts (a dense tail scores nothing, so the chunk it falls in must
+/// be evaluated again): at a chunk boundary, mid-chunk, inside the last complete chunk's local
+/// window, in the first chunk; for the seed rule (no tail) and the default policy (a 64-token
+/// tail); and across two cuts in a row.
 #[test]
 fn truncate_continues_as_a_fresh_session_would() {
     let m = common::model();
@@ -356,6 +357,7 @@ fn truncate_continues_as_a_fresh_session_would() {
         n_ubatch: 128,
         n_threads: 2,
         h2o: Some(H2oConfig::new(32, 32)),
+        h2o_undo_log: true,
         ..SessionConfig::default()
     };
     let greedy = || Sampler::new(&SamplerConfig::greedy()).unwrap();
@@ -422,6 +424,26 @@ fn truncate_continues_as_a_fresh_session_would() {
             );
         }
     }
+
+    // without the undo log, llama.cpp refuses the cut and the kept tokens are evaluated again
+    let mut s = Session::new(
+        m,
+        SessionConfig {
+            h2o_undo_log: false,
+            ..config.clone()
+        },
+    )
+    .unwrap();
+    s.evaluate(prompt).unwrap();
+    assert_eq!(s.truncate(300).unwrap(), 300, "no undo log: all again");
+    s.evaluate(next).unwrap();
+    let mut fresh = Session::new(m, config.clone()).unwrap();
+    fresh.evaluate(&prompt[..300]).unwrap();
+    fresh.evaluate(next).unwrap();
+    assert!(
+        s.logits().unwrap() == fresh.logits().unwrap(),
+        "no undo log: logits"
+    );
 
     // two cuts in a row, with a call between them that crosses a chunk boundary inside one ubatch
     // (300 .. 400 passes 384, where llama.cpp records nothing): the second cut still goes back to

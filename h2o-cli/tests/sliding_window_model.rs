@@ -114,7 +114,11 @@ fn truncate_continues_as_a_fresh_session_would() {
     let h2o = H2oConfig::new(64, 64);
     let tokens = prompt();
     let (kept, next) = (&tokens[..700], &tokens[1000..1100]);
-    let mut s = Session::new(common::gemma(), config(h2o)).unwrap();
+    let undo = SessionConfig {
+        h2o_undo_log: true,
+        ..config(h2o)
+    };
+    let mut s = Session::new(common::gemma(), undo).unwrap();
     s.evaluate(&tokens[..1000]).unwrap();
     // a fresh prefill of 700 tokens starts its dense tail at 636: back to the boundary at 512
     assert_eq!(s.truncate(700).unwrap(), 700 - 512);

@@ -159,6 +159,12 @@ pub struct SessionConfig {
     pub flash_attn: FlashAttention,
     /// H2O sparse prefill; `None` (or L = H = 0) is stock attention.
     pub h2o: Option<H2oConfig>,
+    /// With H2O: keep llama.cpp's undo log (`h2o_undo_log`, patch 0014), so that
+    /// [`Session::truncate`](crate::Session::truncate) into the prompt keeps the complete chunks
+    /// below the cut and evaluates only the rest again, instead of all kept tokens. Costs host
+    /// memory: about one copy of the H2O scores, plus M scores per head, layer and chunk. Off by
+    /// default, as in llama.cpp; ignored without H2O.
+    pub h2o_undo_log: bool,
     /// Copy every H2O attention op's inputs and output out of the graph, for checks against
     /// [`crate::reference`] (see [`Session::take_attention_captures`](crate::Session::take_attention_captures)). Slow and memory-hungry:
     /// for verification on short prompts only.
@@ -176,6 +182,7 @@ impl Default for SessionConfig {
                 .unwrap_or(4),
             flash_attn: FlashAttention::Auto,
             h2o: None,
+            h2o_undo_log: false,
             capture_attention: false,
         }
     }

@@ -195,6 +195,7 @@ impl<'m> Session<'m> {
             cp.h2o_select = h2o.select.to_sys();
             cp.h2o_sink = h2o.sink as i32; // <= heavy (validate())
             cp.h2o_dense_tail = i32::try_from(h2o.dense_tail).unwrap_or(i32::MAX);
+            cp.h2o_undo_log = config.h2o_undo_log;
         }
         let capture = config
             .capture_attention
@@ -308,12 +309,13 @@ impl<'m> Session<'m> {
     /// - where only decoded tokens go, the cache is cut as it is (they never entered the H2O
     ///   state), and the session is the one that decoded fewer;
     /// - otherwise the session becomes exactly what a fresh session gives that evaluates the kept
-    ///   tokens: llama.cpp puts the H2O state back at a chunk boundary below `n` (patch 0014) and
-    ///   the tokens from there are evaluated again, in the calls a fresh session makes. The
-    ///   boundary is the last one before where a fresh prefill's dense tail would start, and
-    ///   before any dense tail or decoded token in the session's own history (which a fresh
-    ///   prefill does not have); where llama.cpp cannot go back that far, the kept tokens are
-    ///   evaluated again from an empty cache.
+    ///   tokens. With [`SessionConfig::h2o_undo_log`], llama.cpp puts the H2O state back at a
+    ///   chunk boundary below `n` (patch 0014) and the tokens from there are evaluated again, in
+    ///   the calls a fresh session makes. The boundary is the last one before where a fresh
+    ///   prefill's dense tail would start, and before any dense tail or decoded token in the
+    ///   session's own history (which a fresh prefill does not have). Without the undo log, or
+    ///   where it cannot go back that far, the kept tokens are evaluated again from an empty
+    ///   cache.
     ///
     /// [`Session::logits`] is `None` afterwards.
     ///

@@ -718,6 +718,31 @@ static void test_context_api(llama_model * model) {
         llama_free(ctx);
     }
 
+    // settings that need H2O, and H2O where it cannot run, are refused before anything is built
+    {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx        = 4096;
+        cp.h2o_undo_log = true;
+        captured_log.clear();
+        llama_context * ctx = llama_init_from_model(model, cp);
+        CHECK(ctx == nullptr, "h2o_undo_log without H2O accepted");
+        CHECK(captured_log.find("need H2O on") != std::string::npos, "h2o_undo_log without H2O: %s", captured_log.c_str());
+        llama_free(ctx);
+
+        cp = llama_context_default_params();
+        cp.n_ctx          = 4096;
+        cp.n_ubatch       = 1024;
+        cp.h2o_local      = 256;
+        cp.h2o_heavy      = 256;
+        cp.attention_type = LLAMA_ATTENTION_TYPE_NON_CAUSAL;
+        cp.embeddings     = true;
+        captured_log.clear();
+        ctx = llama_init_from_model(model, cp);
+        CHECK(ctx == nullptr, "H2O with non-causal attention accepted");
+        CHECK(captured_log.find("needs causal attention") != std::string::npos, "non-causal H2O: %s", captured_log.c_str());
+        llama_free(ctx);
+    }
+
     // H2O off: no state, the introspection says so
     {
         llama_context * ctx = try_ctx(1024, 0, 0, 1);
@@ -772,7 +797,7 @@ static void test_context_api(llama_model * model) {
     }
     captured_log.clear();
     CHECK(!llama_memory_seq_rm(mem, 0, 200, -1), "cutting into prompt positions accepted");
-    CHECK(captured_log.find("scored positions up to 300, so it can be removed whole, cut from position 300 on") != std::string::npos,
+    CHECK(captured_log.find("scored positions up to 300, so it can be removed whole or cut from position 300 on; with h2o_undo_log on") != std::string::npos,
             "cut refusal message: %s", captured_log.c_str());
     CHECK(llama_memory_seq_pos_max(mem, 0) == 299, "refused cut changed the cache");
     CHECK(!llama_memory_seq_rm(mem, 0, 100, 200), "removing a middle range accepted");
@@ -795,7 +820,7 @@ static void test_context_api(llama_model * model) {
 // prompt A and restored into a fresh context continues with B exactly as the saving context does; a context with
 // other H2O settings, or none, refuses it
 // a one-sequence H2O context with S = 128 (n_batch 512)
-static llama_context * small_h2o_ctx(llama_model * model, int32_t L_, int32_t H_) {
+static llama_context * small_h2o_ctx(llama_model * model, int32_t L_, int32_t H_, bool undo_log = false) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx     = 1024;
     cp.n_batch   = 512;
@@ -804,6 +829,7 @@ static llama_context * small_h2o_ctx(llama_model * model, int32_t L_, int32_t H_
     cp.n_threads = cp.n_threads_batch = 2;
     cp.h2o_local = L_;
     cp.h2o_heavy = H_;
+    cp.h2o_undo_log = undo_log;
     return llama_init_from_model(model, cp);
 }
 
@@ -850,8 +876,8 @@ static void test_cut_to_chunk_boundary(llama_model * model) {
     for (size_t i = 0; i < a.size(); ++i) a[i] = 200 + (int) (i*7 % 5000);
     const std::vector<llama_token> head(a.begin(), a.begin() + 128), rest(a.begin() + 128, a.end());
 
-    llama_context * ctx   = small_h2o_ctx(model, 32, 32);
-    llama_context * fresh = small_h2o_ctx(model, 32, 32);
+    llama_context * ctx   = small_h2o_ctx(model, 32, 32, true);
+    llama_context * fresh = small_h2o_ctx(model, 32, 32, true);
     CHECK(ctx && fresh, "contexts");
     if (!ctx || !fresh) {
         llama_free(ctx);
