@@ -906,6 +906,11 @@ static void test_cut_to_chunk_boundary(llama_model * model) {
     CHECK(memcmp(llama_get_logits_ith(ctx, -1), logits_a.data(), n_vocab*sizeof(float)) == 0, "logits after the cut and A again");
     CHECK(h2o_snapshot(ctx, 300) == after_a, "H2O state after the cut and A again");
 
+    // with one sequence, copying it onto itself and keeping it are no-ops, for the H2O state too
+    llama_memory_seq_cp(mem, 0, 0, 0, -1);
+    llama_memory_seq_keep(mem, 0);
+    CHECK(h2o_snapshot(ctx, 300) == after_a && llama_memory_seq_pos_max(mem, 0) == 299, "seq_cp/seq_keep changed the cache");
+
     // back to the first boundary twice over: the log keeps every recorded boundary
     CHECK(llama_memory_seq_rm(mem, 0, 256, -1) && llama_memory_seq_rm(mem, 0, 128, -1), "two cuts in a row refused");
     CHECK(h2o_snapshot(ctx, 300) == h2o_snapshot(fresh, 300), "two cuts in a row: not a prefill's of [0, 128)");
