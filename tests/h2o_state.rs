@@ -361,6 +361,23 @@ fn truncate_continues_as_a_fresh_session_would() {
         ..SessionConfig::default()
     };
     let greedy = || Sampler::new(&SamplerConfig::greedy()).unwrap();
+    // `s`, after its cut to the `kept` tokens, continues with `next` as a fresh session given
+    // the kept tokens does
+    let continues_as_fresh =
+        |s: &mut Session<'_>, config: &SessionConfig, kept: &[i32], what: &str| {
+            s.evaluate(next).unwrap();
+            let mut fresh = Session::new(m, config.clone()).unwrap();
+            fresh.evaluate(kept).unwrap();
+            fresh.evaluate(next).unwrap();
+            assert!(
+                s.logits().unwrap() == fresh.logits().unwrap(),
+                "{what}: logits"
+            );
+            assert!(
+                common::h2o_snapshot(s) == common::h2o_snapshot(&fresh),
+                "{what}: H2O state"
+            );
+        };
     // decoded tokens: the cut is free and the session is the one that generated fewer
     let mut s = Session::new(m, config.clone()).unwrap();
     let generated = s
@@ -408,20 +425,8 @@ fn truncate_continues_as_a_fresh_session_would() {
                 h2o.select
             );
             assert!(s.logits().is_none());
-            s.evaluate(next).unwrap();
-            let mut fresh = Session::new(m, config.clone()).unwrap();
-            fresh.evaluate(&prompt[..cut as usize]).unwrap();
-            fresh.evaluate(next).unwrap();
-            assert!(
-                s.logits().unwrap() == fresh.logits().unwrap(),
-                "{}: cut at {cut}: logits",
-                h2o.select
-            );
-            assert!(
-                common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
-                "{}: cut at {cut}: H2O state",
-                h2o.select
-            );
+            let what = format!("{}: cut at {cut}", h2o.select);
+            continues_as_fresh(&mut s, &config, &prompt[..cut as usize], &what);
         }
     }
 
@@ -436,14 +441,7 @@ fn truncate_continues_as_a_fresh_session_would() {
     .unwrap();
     s.evaluate(prompt).unwrap();
     assert_eq!(s.truncate(300).unwrap(), 300, "no undo log: all again");
-    s.evaluate(next).unwrap();
-    let mut fresh = Session::new(m, config.clone()).unwrap();
-    fresh.evaluate(&prompt[..300]).unwrap();
-    fresh.evaluate(next).unwrap();
-    assert!(
-        s.logits().unwrap() == fresh.logits().unwrap(),
-        "no undo log: logits"
-    );
+    continues_as_fresh(&mut s, &config, &prompt[..300], "no undo log");
 
     // two cuts in a row, with a call between them that crosses a chunk boundary inside one ubatch
     // (300 .. 400 passes 384, where llama.cpp records nothing): the second cut still goes back to
@@ -461,18 +459,7 @@ fn truncate_continues_as_a_fresh_session_would() {
         290 - 128,
         "tail from 226: from 128"
     );
-    s.evaluate(next).unwrap();
-    let mut fresh = Session::new(m, config.clone()).unwrap();
-    fresh.evaluate(&prompt[..290]).unwrap();
-    fresh.evaluate(next).unwrap();
-    assert!(
-        s.logits().unwrap() == fresh.logits().unwrap(),
-        "two cuts: logits"
-    );
-    assert!(
-        common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
-        "two cuts: H2O state"
-    );
+    continues_as_fresh(&mut s, &config, &prompt[..290], "two cuts");
 
     let mut s = Session::new(m, config).unwrap();
     s.evaluate(&prompt[..10]).unwrap();

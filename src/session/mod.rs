@@ -330,8 +330,7 @@ impl<'m> Session<'m> {
             )));
         }
         self.has_logits = false;
-        if n == self.n_past || ((self.config.h2o.is_none() || n >= self.prompt_end) && self.cut(n))
-        {
+        if n == self.n_past || ((self.h2o().is_none() || n >= self.prompt_end) && self.cut(n)) {
             return Ok(0);
         }
         let s = self.config.n_ubatch;
@@ -358,13 +357,18 @@ impl<'m> Session<'m> {
     fn fresh_tail_start(&self, n: u32) -> u32 {
         let n_batch = self.config.n_batch;
         let last_call = (n.max(1) - 1) / n_batch * n_batch;
-        match self.config.h2o {
+        match self.h2o() {
             Some(_) if n_batch == 1 => 0,
             Some(_) => self
                 .unscored_from(last_call, (n - last_call) as usize, true)
                 .min(n),
             None => n,
         }
+    }
+
+    /// The H2O settings the context runs with (`None` for full attention, L = H = 0 included).
+    fn h2o(&self) -> Option<H2oConfig> {
+        self.config.h2o.filter(H2oConfig::is_enabled)
     }
 
     /// `llama_memory_seq_rm` keeping positions `[0, n)`; false where llama.cpp refuses the cut
@@ -449,7 +453,7 @@ impl<'m> Session<'m> {
     /// tail of a call that ends a prompt.
     fn unscored_from(&self, start: u32, len: usize, logits: bool) -> u32 {
         let end = start + len as u32;
-        match self.config.h2o {
+        match self.h2o() {
             Some(_) if len == 1 => start,
             Some(h2o) if logits && h2o.dense_tail > 0 => {
                 end.saturating_sub(h2o.dense_tail).max(start)
