@@ -111,6 +111,9 @@ pub enum Error {
     #[error("tokenization failed: {0}")]
     Tokenize(String),
 
+    #[error("chat prompt: {0}")]
+    ChatTemplate(String),
+
     #[error("decode failed: {0}")]
     Decode(#[from] DecodeError),
 

@@ -31,6 +31,7 @@ pub mod bench;
 pub mod capture;
 #[cfg(feature = "charts")]
 pub mod chart;
+mod chat;
 pub mod default_model;
 pub mod demo;
 #[cfg(not(feature = "stock"))]
@@ -47,6 +48,7 @@ mod session;
 
 pub use backend::set_log_echo;
 pub use capture::AttentionCapture;
+pub use chat::ChatMessage;
 pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{Sampler, SamplerConfig};

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::process::Command;
 
 use h2o_llama::reference::{build_memory_set, H2oParams, MemorySet};
-use h2o_llama::{H2oConfig, Session, SessionConfig, Token};
+use h2o_llama::{ChatMessage, H2oConfig, Session, SessionConfig, Token};
 
 fn config(h2o: H2oConfig) -> SessionConfig {
     SessionConfig {
@@ -130,6 +130,23 @@ fn truncate_continues_as_a_fresh_session_would() {
     assert!(
         common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
         "H2O state"
+    );
+}
+
+/// This Gemma GGUF carries no chat template: a chat prompt is refused with an error that names the
+/// model and says what to do, not rendered in a made-up format.
+#[test]
+fn a_model_without_a_chat_template_refuses_chat_prompts() {
+    let m = common::gemma();
+    assert_eq!(m.chat_template(), None);
+    let e = m
+        .apply_chat_template(&[ChatMessage::new("user", "Hi")], true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("gemma-3-270m-q4_k_m.gguf has no chat template")
+            && e.contains("give the prompt as plain text"),
+        "{e}"
     );
 }
 
