@@ -469,3 +469,71 @@ fn truncate_continues_as_a_fresh_session_would() {
         "{err}"
     );
 }
+
+/// `Session::evaluate_reusing`, llama-server's prompt reuse: the next prompt shares a prefix with
+/// what the session holds (a chat's next turn; the same document with another question), and
+/// only the part after the kept chunk boundary is evaluated; logits and H2O state are a fresh
+/// session's that evaluates the whole prompt.
+#[test]
+fn evaluate_reusing_a_cached_prefix_equals_a_fresh_prefill() {
+    let m = common::model();
+    let tokens = m
+        .tokenize(&h2o_llama::demo::prompt(30), true, true)
+        .unwrap();
+    let (doc, q1, q2) = (&tokens[..300], &tokens[300..400], &tokens[400..470]);
+    let config = SessionConfig {
+        n_ctx: 1024,
+        n_batch: 1024,
+        n_ubatch: 128,
+        n_threads: 2,
+        h2o: Some(H2oConfig::new(32, 32)),
+        h2o_undo_log: true,
+        ..SessionConfig::default()
+    };
+    let fresh = |prompt: &[i32]| {
+        let mut f = Session::new(m, config.clone()).unwrap();
+        f.evaluate(prompt).unwrap();
+        f
+    };
+    let assert_same = |s: &Session<'_>, f: &Session<'_>, what: &str| {
+        assert!(s.logits().unwrap() == f.logits().unwrap(), "{what}: logits");
+        assert!(
+            common::h2o_snapshot(s) == common::h2o_snapshot(f),
+            "{what}: H2O state"
+        );
+    };
+
+    // the same document, another question: 300 tokens in common; a fresh prefill of the 370
+    // tokens starts its tail at 306, so the chunks up to 256 are kept
+    let mut s = Session::new(m, config.clone()).unwrap();
+    s.evaluate(&[doc, q1].concat()).unwrap();
+    let second = [doc, q2].concat();
+    assert_eq!(s.evaluate_reusing(&second).unwrap(), 256);
+    assert_same(&s, &fresh(&second), "another question");
+
+    // the next turn of a chat: the previous prompt, the answer the session generated, a new
+    // message; decoded tokens were never scored and the first prompt's tail (236 .. 300) scored
+    // nothing, so only the first chunk is kept
+    let mut s = Session::new(m, config.clone()).unwrap();
+    let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
+    let answer = s.generate(doc, &mut greedy, 8, |_| true).unwrap().tokens;
+    let next_turn = [doc, &answer, q2].concat();
+    assert_eq!(s.evaluate_reusing(&next_turn).unwrap(), 128);
+    assert_same(&s, &fresh(&next_turn), "next turn");
+
+    // the same prompt again: everything but the last chunk's part after the tail's boundary
+    let mut s = fresh(&second);
+    assert_eq!(s.evaluate_reusing(&second).unwrap(), 256);
+    assert_same(&s, &fresh(&second), "the same prompt");
+
+    // full attention reuses the whole common prefix
+    let full = SessionConfig {
+        h2o: None,
+        h2o_undo_log: false,
+        ..config.clone()
+    };
+    let mut s = Session::new(m, full).unwrap();
+    s.evaluate(&[doc, q1].concat()).unwrap();
+    assert_eq!(s.evaluate_reusing(&second).unwrap(), 300);
+    assert_eq!(s.tokens(), second.as_slice());
+}

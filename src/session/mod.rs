@@ -5,6 +5,7 @@
 mod capture;
 mod config;
 mod h2o;
+mod prefix;
 mod state;
 
 pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
@@ -301,92 +302,6 @@ impl<'m> Session<'m> {
         self.has_logits = false;
     }
 
-    /// Keeps the first `n` tokens of the session and forgets the rest, as llama-cli and
-    /// llama-server do to reuse a cached prompt prefix (regenerate, the next turn of a chat).
-    /// Returns how many tokens had to be evaluated again.
-    ///
-    /// With full attention llama.cpp cuts the cache and nothing is evaluated again. With H2O:
-    /// - where only decoded tokens go, the cache is cut as it is (they never entered the H2O
-    ///   state), and the session is the one that decoded fewer;
-    /// - otherwise the session becomes exactly what a fresh session gives that evaluates the kept
-    ///   tokens. With [`SessionConfig::h2o_undo_log`], llama.cpp puts the H2O state back at a
-    ///   chunk boundary below `n` (patch 0014) and the tokens from there are evaluated again, in
-    ///   the calls a fresh session makes. The boundary is the last one before where a fresh
-    ///   prefill's dense tail would start, and before any dense tail or decoded token in the
-    ///   session's own history (which a fresh prefill does not have). Without the undo log, or
-    ///   where it cannot go back that far, the kept tokens are evaluated again from an empty
-    ///   cache.
-    ///
-    /// [`Session::logits`] is `None` afterwards.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] when `n` exceeds [`Session::n_past`]; as
-    /// [`Session::evaluate`] while evaluating again (the session is then empty).
-    pub fn truncate(&mut self, n: u32) -> Result<usize> {
-        if n > self.n_past {
-            return Err(Error::InvalidConfig(format!(
-                "cannot keep {n} tokens: the session holds {}",
-                self.n_past
-            )));
-        }
-        self.has_logits = false;
-        if n == self.n_past || ((self.h2o().is_none() || n >= self.prompt_end) && self.cut(n)) {
-            return Ok(0);
-        }
-        let s = self.config.n_ubatch;
-        let boundary = self.fresh_tail_start(n).min(self.fresh_until) / s * s;
-        let kept = self.tokens[..n as usize].to_vec();
-        let from = if boundary > 0 && self.cut(boundary) {
-            // nothing of the history after the boundary is left
-            self.fresh_until = u32::MAX;
-            boundary as usize
-        } else {
-            self.reset();
-            0
-        };
-        if from < kept.len() {
-            self.evaluate_in_calls(&kept[from..], true, |_, _| {})?;
-        }
-        self.has_logits = false;
-        Ok(kept.len() - from)
-    }
-
-    /// Where the H2O state of a fresh session that evaluates `n` tokens stops being a plain
-    /// prefill's: its last call's dense tail, or its last call when that holds one token
-    /// (decode); `n` when neither.
-    fn fresh_tail_start(&self, n: u32) -> u32 {
-        let n_batch = self.config.n_batch;
-        let last_call = (n.max(1) - 1) / n_batch * n_batch;
-        match self.h2o() {
-            Some(_) if n_batch == 1 => 0,
-            Some(_) => self
-                .unscored_from(last_call, (n - last_call) as usize, true)
-                .min(n),
-            None => n,
-        }
-    }
-
-    /// The H2O settings the context runs with (`None` for full attention, L = H = 0 included).
-    fn h2o(&self) -> Option<H2oConfig> {
-        self.config.h2o.filter(H2oConfig::is_enabled)
-    }
-
-    /// `llama_memory_seq_rm` keeping positions `[0, n)`; false where llama.cpp refuses the cut
-    /// (the cache is then unchanged).
-    fn cut(&mut self, n: u32) -> bool {
-        backend::clear_recent_log();
-        // SAFETY: valid context and its memory; n <= n_past fits in i32 (n_ctx does).
-        let cut = unsafe {
-            sys::llama_memory_seq_rm(sys::llama_get_memory(self.ctx.as_ptr()), 0, n as i32, -1)
-        };
-        if cut {
-            self.n_past = n;
-            self.tokens.truncate(n as usize);
-            self.prompt_end = self.prompt_end.min(n);
-        }
-        cut
-    }
-
     /// Appends `tokens` to the sequence, in `llama_decode` calls of at most `n_batch` tokens.
     /// Afterwards [`Session::logits`] holds the next-token logits after the last token.
     ///
@@ -446,6 +361,11 @@ impl<'m> Session<'m> {
         }
         self.has_logits = true;
         Ok(())
+    }
+
+    /// The H2O settings the context runs with (`None` for full attention, L = H = 0 included).
+    fn h2o(&self) -> Option<H2oConfig> {
+        self.config.h2o.filter(H2oConfig::is_enabled)
     }
 
     /// The first position of a call (at `start`, `len` tokens; `logits`: its last one asks for

@@ -105,7 +105,7 @@ fn read_file_header(path: &Path, n_ctx: u32) -> std::result::Result<Header, Stri
 }
 
 /// How many leading tokens `a` and `b` share.
-fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+pub(super) fn common_prefix(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
