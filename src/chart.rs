@@ -227,7 +227,8 @@ pub fn throughput(
 /// in that bin, out of `n_sets` sets per row.
 pub struct SelectionMap<'a> {
     pub title: &'a str,
-    pub n_layer: usize,
+    /// the model layer of each group of `n_head` rows
+    pub layers: &'a [u32],
     pub n_head: usize,
     pub n_positions: usize,
     pub bin: usize,
@@ -238,7 +239,8 @@ pub struct SelectionMap<'a> {
 /// Draws a [`SelectionMap`]: darker = kept in more of the memory sets.
 pub fn selection_map(path: &Path, map: &SelectionMap<'_>) -> Result<()> {
     register_font()?;
-    let n_rows = map.n_layer * map.n_head;
+    let n_layer = map.layers.len();
+    let n_rows = n_layer * map.n_head;
     let root = BitMapBackend::new(path, (1100, 860)).into_drawing_area();
     drawing(root.fill(&WHITE), path)?;
     let mut chart = drawing(
@@ -251,15 +253,15 @@ pub fn selection_map(path: &Path, map: &SelectionMap<'_>) -> Result<()> {
                 0.0..map.n_positions as f64,
                 Ticks {
                     range: 0.0..n_rows as f64,
-                    at: (0..map.n_layer)
-                        .step_by(5)
+                    at: (0..n_layer)
+                        .step_by(n_layer.div_ceil(6).max(1))
                         .map(|l| (l * map.n_head) as f64)
                         .collect(),
                 },
             ),
         path,
     )?;
-    let n_head = map.n_head;
+    let (n_head, layers) = (map.n_head, map.layers);
     drawing(
         chart
             .configure_mesh()
@@ -267,7 +269,11 @@ pub fn selection_map(path: &Path, map: &SelectionMap<'_>) -> Result<()> {
             .x_desc("token position")
             .y_desc("layer (each layer is one row per query head)")
             .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|r| format!("{}", *r as usize / n_head))
+            .y_label_formatter(&|r| {
+                layers
+                    .get(*r as usize / n_head)
+                    .map_or(String::new(), u32::to_string)
+            })
             .label_style((FONT, 15))
             .axis_desc_style((FONT, 16))
             .draw(),
@@ -297,7 +303,7 @@ pub fn selection_map(path: &Path, map: &SelectionMap<'_>) -> Result<()> {
     )?;
     // thin lines between layers
     drawing(
-        chart.draw_series((1..map.n_layer).map(|l| {
+        chart.draw_series((1..n_layer).map(|l| {
             let y = (l * map.n_head) as f64;
             PathElement::new(
                 vec![(0.0, y), (map.n_positions as f64, y)],

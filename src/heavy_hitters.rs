@@ -134,7 +134,8 @@ pub struct Report {
 /// `counts[l * n_head + h][p / bin]`, `l` indexing [`Report::layers`].
 #[derive(Debug, Clone)]
 pub struct KeptCounts {
-    pub n_layer: usize,
+    /// the model layers, as in [`Report::layers`]
+    pub layers: Vec<u32>,
     pub n_head: usize,
     pub n_positions: usize,
     pub bin: usize,
@@ -142,15 +143,16 @@ pub struct KeptCounts {
 }
 
 impl KeptCounts {
-    fn new(n_layer: usize, n_head: usize, n_positions: usize) -> Self {
+    fn new(layers: Vec<u32>, n_head: usize, n_positions: usize) -> Self {
         // about a thousand bins, whatever the prompt's length
         let bin = n_positions.div_ceil(1000).max(1);
+        let rows = layers.len() * n_head;
         Self {
-            n_layer,
+            layers,
             n_head,
             n_positions,
             bin,
-            counts: vec![vec![0; n_positions.div_ceil(bin)]; n_layer * n_head],
+            counts: vec![vec![0; n_positions.div_ceil(bin)]; rows],
         }
     }
 
@@ -231,7 +233,7 @@ fn chunk_by_chunk(
     }
     let layers = session.h2o_layers();
     let n_head = model.n_head() as usize;
-    let mut kept = KeptCounts::new(layers.len(), n_head, tokens.len());
+    let mut kept = KeptCounts::new(layers.clone(), n_head, tokens.len());
     let mut jaccard_sum = vec![0.0f64; layers.len()];
     let (mut pairs, mut sets_per_head) = (0u32, 0u32);
     let mut previous: Option<Vec<Vec<Vec<usize>>>> = None;

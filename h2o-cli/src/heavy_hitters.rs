@@ -103,7 +103,7 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             png,
             &h2o_llama::chart::SelectionMap {
                 title: &title,
-                n_layer: kept.n_layer,
+                layers: &kept.layers,
                 n_head: kept.n_head,
                 n_positions: kept.n_positions,
                 bin: kept.bin,
