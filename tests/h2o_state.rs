@@ -334,6 +334,32 @@ fn multi_turn_follows_the_documented_rule() {
     }
 }
 
+/// The sessions of the prefix-reuse tests: S = 128, L = H = 32, the default policy (a 64-token
+/// dense tail), and the undo log that lets llama.cpp cut back to a chunk boundary.
+fn prefix_reuse_config() -> SessionConfig {
+    SessionConfig {
+        n_ctx: 1024,
+        n_batch: 1024,
+        n_ubatch: 128,
+        n_threads: 2,
+        h2o: Some(H2oConfig::new(32, 32)),
+        h2o_undo_log: true,
+        ..SessionConfig::default()
+    }
+}
+
+/// Asserts that two sessions hold the same next-token logits and H2O state, bit for bit.
+fn assert_same_session(s: &Session<'_>, fresh: &Session<'_>, what: &str) {
+    assert!(
+        s.logits().unwrap() == fresh.logits().unwrap(),
+        "{what}: logits"
+    );
+    assert!(
+        common::h2o_snapshot(s) == common::h2o_snapshot(fresh),
+        "{what}: H2O state"
+    );
+}
+
 /// Issue 18, item 2: `Session::truncate(p)` and then more tokens give exactly what a fresh
 /// session gives that evaluated the same kept tokens. Cutting decoded tokens is free (they never
 /// entered the H2O state; llama.cpp accepts the cut, and the session is the one that decoded
@@ -351,15 +377,7 @@ fn truncate_continues_as_a_fresh_session_would() {
         .tokenize(&h2o_llama::demo::prompt(25), true, true)
         .unwrap();
     let (prompt, next) = (&tokens[..400], &tokens[400..460]);
-    let config = SessionConfig {
-        n_ctx: 1024,
-        n_batch: 1024,
-        n_ubatch: 128,
-        n_threads: 2,
-        h2o: Some(H2oConfig::new(32, 32)),
-        h2o_undo_log: true,
-        ..SessionConfig::default()
-    };
+    let config = prefix_reuse_config();
     let greedy = || Sampler::new(&SamplerConfig::greedy()).unwrap();
     // `s`, after its cut to the `kept` tokens, continues with `next` as a fresh session given
     // the kept tokens does
@@ -369,14 +387,7 @@ fn truncate_continues_as_a_fresh_session_would() {
             let mut fresh = Session::new(m, config.clone()).unwrap();
             fresh.evaluate(kept).unwrap();
             fresh.evaluate(next).unwrap();
-            assert!(
-                s.logits().unwrap() == fresh.logits().unwrap(),
-                "{what}: logits"
-            );
-            assert!(
-                common::h2o_snapshot(s) == common::h2o_snapshot(&fresh),
-                "{what}: H2O state"
-            );
+            assert_same_session(s, &fresh, what);
         };
     // decoded tokens: the cut is free and the session is the one that generated fewer
     let mut s = Session::new(m, config.clone()).unwrap();
@@ -481,26 +492,11 @@ fn evaluate_reusing_a_cached_prefix_equals_a_fresh_prefill() {
         .tokenize(&h2o_llama::demo::prompt(30), true, true)
         .unwrap();
     let (doc, q1, q2) = (&tokens[..300], &tokens[300..400], &tokens[400..470]);
-    let config = SessionConfig {
-        n_ctx: 1024,
-        n_batch: 1024,
-        n_ubatch: 128,
-        n_threads: 2,
-        h2o: Some(H2oConfig::new(32, 32)),
-        h2o_undo_log: true,
-        ..SessionConfig::default()
-    };
+    let config = prefix_reuse_config();
     let fresh = |prompt: &[i32]| {
         let mut f = Session::new(m, config.clone()).unwrap();
         f.evaluate(prompt).unwrap();
         f
-    };
-    let assert_same = |s: &Session<'_>, f: &Session<'_>, what: &str| {
-        assert!(s.logits().unwrap() == f.logits().unwrap(), "{what}: logits");
-        assert!(
-            common::h2o_snapshot(s) == common::h2o_snapshot(f),
-            "{what}: H2O state"
-        );
     };
 
     // the same document, another question: 300 tokens in common; a fresh prefill of the 370
@@ -509,7 +505,7 @@ fn evaluate_reusing_a_cached_prefix_equals_a_fresh_prefill() {
     s.evaluate(&[doc, q1].concat()).unwrap();
     let second = [doc, q2].concat();
     assert_eq!(s.evaluate_reusing(&second).unwrap(), 256);
-    assert_same(&s, &fresh(&second), "another question");
+    assert_same_session(&s, &fresh(&second), "another question");
 
     // the next turn of a chat: the previous prompt, the answer the session generated, a new
     // message; decoded tokens were never scored and the first prompt's tail (236 .. 300) scored
@@ -519,12 +515,12 @@ fn evaluate_reusing_a_cached_prefix_equals_a_fresh_prefill() {
     let answer = s.generate(doc, &mut greedy, 8, |_| true).unwrap().tokens;
     let next_turn = [doc, &answer, q2].concat();
     assert_eq!(s.evaluate_reusing(&next_turn).unwrap(), 128);
-    assert_same(&s, &fresh(&next_turn), "next turn");
+    assert_same_session(&s, &fresh(&next_turn), "next turn");
 
     // the same prompt again: everything but the last chunk's part after the tail's boundary
     let mut s = fresh(&second);
     assert_eq!(s.evaluate_reusing(&second).unwrap(), 256);
-    assert_same(&s, &fresh(&second), "the same prompt");
+    assert_same_session(&s, &fresh(&second), "the same prompt");
 
     // full attention reuses the whole common prefix
     let full = SessionConfig {
