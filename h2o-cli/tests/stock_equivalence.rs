@@ -103,9 +103,7 @@ fn patched_build_equals_stock_with_h2o_off_and_within_one_chunk() {
 
 #[test]
 fn gemma3_with_sliding_window_layers_equals_stock_with_h2o_off_and_within_one_chunk() {
-    let gemma = h2o_llama::models::GEMMA3_270M
-        .ensure(|m| eprintln!("{m}"))
-        .expect("Gemma 3 270M is needed by this test");
+    let gemma = common::gemma_path();
     // Gemma's greedy continuation after the short prompt differs from stock's at its fifth token:
     // "\n" where both stock kernels pick "\n\n", a near-tie in every engine (margins 0.08 and
     // 0.01 logits in stock's two kernels, 0.04 the other way with H2O, against a spread of 1.1
