@@ -44,7 +44,7 @@ fn run_cpp_test(name: &str, with_model: bool) -> String {
 fn kv_cache_h2o_state_cpp_tests() {
     let stdout = run_cpp_test("test-h2o-kv-cache", true);
     // every test reported, none failed
-    assert!(stdout.contains("17 tests, 0 failed"), "{stdout}");
+    assert!(stdout.contains("19 tests, 0 failed"), "{stdout}");
 }
 
 /// GGML_OP_H2O_ATTN on every GPU backend against the CPU backend (tests/cpp/test-h2o-backends.cpp).

@@ -698,6 +698,7 @@ static void test_context_api(llama_model * model) {
         cp.n_batch   = 4096;
         cp.n_ubatch  = n_ubatch;
         cp.n_seq_max = n_seq_max;
+        cp.kv_unified = true; // several sequences in one stream: refused
         cp.h2o_local = L_;
         cp.h2o_heavy = H_;
         captured_log.clear();
@@ -710,7 +711,7 @@ static void test_context_api(llama_model * model) {
             refusal{  512, 256, 256, 1, "must be smaller than the chunk size n_ubatch = 512" },
             refusal{ 1024,  -1, 256, 1, "must both be >= 0" },
             refusal{ 1024, 256,  -5, 1, "must both be >= 0" },
-            refusal{ 1024, 256, 256, 2, "serves one sequence, but n_seq_max = 2" } }) {
+            refusal{ 1024, 256, 256, 2, "share a unified cache: set kv_unified = false" } }) {
         llama_context * ctx = try_ctx(r.ub, r.L, r.H, r.n_seq);
         CHECK(ctx == nullptr, "ub %d L %d H %d n_seq_max %u accepted", r.ub, r.L, r.H, r.n_seq);
         CHECK(captured_log.find(r.says) != std::string::npos, "error for ub %d L %d H %d n_seq_max %u does not say \"%s\": %s",
@@ -820,12 +821,15 @@ static void test_context_api(llama_model * model) {
 // prompt A and restored into a fresh context continues with B exactly as the saving context does; a context with
 // other H2O settings, or none, refuses it
 // a one-sequence H2O context with S = 128 (n_batch 512)
-static llama_context * small_h2o_ctx(llama_model * model, int32_t L_, int32_t H_, bool undo_log = false) {
+static llama_context * small_h2o_ctx(llama_model * model, int32_t L_, int32_t H_, bool undo_log = false, uint32_t n_seq = 1,
+        llama_flash_attn_type fa = LLAMA_FLASH_ATTN_TYPE_AUTO) {
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx     = 1024;
-    cp.n_batch   = 512;
-    cp.n_ubatch  = 128;
-    cp.n_seq_max = 1;
+    cp.flash_attn_type = fa;
+    cp.n_ctx      = 1024*n_seq;
+    cp.n_batch    = 512;
+    cp.n_ubatch   = 128;
+    cp.n_seq_max  = n_seq;
+    cp.kv_unified = n_seq == 1;
     cp.n_threads = cp.n_threads_batch = 2;
     cp.h2o_local = L_;
     cp.h2o_heavy = H_;
@@ -833,14 +837,14 @@ static llama_context * small_h2o_ctx(llama_model * model, int32_t L_, int32_t H_
     return llama_init_from_model(model, cp);
 }
 
-// one llama_decode call of toks at positions pos0.., logits for the last one
-static int decode_at(llama_context * ctx, const std::vector<llama_token> & toks, llama_pos pos0) {
+// one llama_decode call of toks at positions pos0.. of sequence seq, logits for the last one
+static int decode_at(llama_context * ctx, const std::vector<llama_token> & toks, llama_pos pos0, llama_seq_id seq = 0) {
     llama_batch batch = llama_batch_init(toks.size(), 0, 1);
     for (size_t i = 0; i < toks.size(); ++i) {
         batch.token[i]     = toks[i];
         batch.pos[i]       = pos0 + (llama_pos) i;
         batch.n_seq_id[i]  = 1;
-        batch.seq_id[i][0] = 0;
+        batch.seq_id[i][0] = seq;
         batch.logits[i]    = i + 1 == toks.size();
     }
     batch.n_tokens = toks.size();
@@ -961,6 +965,193 @@ static void test_seq_state(llama_model * model) {
     llama_free(src);
 }
 
+// the chunk progress and settings of sequence seq, as llama_h2o_get_seq_info reports them
+static std::vector<int64_t> seq_info(llama_context * ctx, llama_seq_id seq) {
+    llama_h2o_info info;
+    if (llama_h2o_get_seq_info(ctx, seq, &info) != LLAMA_H2O_STATUS_OK) {
+        return {};
+    }
+    return { info.n_chunks_done, info.n_tokens_done, info.memory_initialized, info.select, info.n_sink, info.n_dense_tail };
+}
+
+// the logits of the batch's last output, as a vector
+static std::vector<float> last_logits(llama_context * ctx, int32_t i = -1) {
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    const float * l = llama_get_logits_ith(ctx, i);
+    return l ? std::vector<float>(l, l + n_vocab) : std::vector<float>{};
+}
+
+// a decode step right after a prompt whose last ubatch held one token has that ubatch's shape: it must run full
+// attention, not reuse the H2O prefill graph (patch 0016); the same step again, from a graph built for a decode,
+// gives the same logits
+static void test_decode_after_one_token_ubatch(llama_model * model) {
+    std::vector<llama_token> p(129); // 128 + 1 with n_ubatch = 128
+    for (size_t i = 0; i < p.size(); ++i) p[i] = 400 + (int) (i*13 % 5000);
+
+    llama_context * ctx = small_h2o_ctx(model, 32, 32);
+    CHECK(ctx && decode_at(ctx, p, 0) == 0, "decode the prompt");
+    if (!ctx) {
+        return;
+    }
+    CHECK(decode_at(ctx, { 1000 }, 129) == 0, "decode step after the prompt");
+    const auto first = last_logits(ctx);
+    CHECK(llama_memory_seq_rm(llama_get_memory(ctx), 0, 129, -1), "drop the decoded token");
+    CHECK(decode_at(ctx, { 1000 }, 129) == 0, "the decode step again");
+    CHECK(last_logits(ctx) == first, "the decode step after a one-token prompt ubatch ran another graph");
+    llama_free(ctx);
+}
+
+// several sequences in one context (kv_unified = false): each has its own stream and H2O state, and its prompt gives
+// the same logits, bit for bit, as in a context of its own, whether it comes alone, after another sequence's prompt,
+// or in one batch with it; so does a decode step of all sequences in one ubatch; a
+// sequence's state moves to another sequence (state_seq get/set, seq_cp) whole; per-sequence policies
+static void test_multi_seq(llama_model * model) {
+    // flash attention off: with it, llama.cpp's CPU kernel at this pin gives one stream of a decode ubatch of several
+    // streams other logits than alone (max |diff| 0.40 on SmolLM2, with H2O off as well); without it, bit-identical
+    const llama_flash_attn_type no_fa = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+
+    std::vector<llama_token> a(300), b(200), c(129);
+    for (size_t i = 0; i < a.size(); ++i) a[i] = 200 + (int) (i*7 % 5000);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = 300 + (int) (i*11 % 5000);
+    for (size_t i = 0; i < c.size(); ++i) c[i] = 400 + (int) (i*13 % 5000);
+
+    // references: each prompt alone in a single-sequence context
+    std::vector<std::vector<float>> ref;
+    std::vector<std::vector<int64_t>> ref_info;
+    for (const auto * p : { &a, &b, &c }) {
+        llama_context * one = small_h2o_ctx(model, 32, 32, false, 1, no_fa);
+        CHECK(one && decode_at(one, *p, 0) == 0, "single-sequence decode");
+        if (!one) {
+            return;
+        }
+        ref.push_back(last_logits(one));
+        ref_info.push_back(seq_info(one, 0));
+        llama_free(one);
+    }
+
+    llama_context * ctx = small_h2o_ctx(model, 32, 32, false, 3, no_fa);
+    CHECK(ctx != nullptr, "a context of 3 H2O sequences: %s", captured_log.c_str());
+    if (!ctx) {
+        return;
+    }
+
+    // one prompt per llama_decode, in turn
+    CHECK(decode_at(ctx, a, 0, 0) == 0, "decode A into seq 0");
+    CHECK(last_logits(ctx) == ref[0], "seq 0: logits differ from A alone");
+    CHECK(decode_at(ctx, b, 0, 1) == 0, "decode B into seq 1");
+    CHECK(last_logits(ctx) == ref[1], "seq 1: logits differ from B alone");
+    CHECK(seq_info(ctx, 0) == ref_info[0] && seq_info(ctx, 1) == ref_info[1], "chunk state differs from the prompts alone");
+    CHECK(seq_info(ctx, 2) == std::vector<int64_t>({ 0, 0, 0, 0, 0, 0 }), "the untouched sequence has chunk state");
+
+    // two prompts in one llama_decode: split one sequence per ubatch, each as alone
+    llama_memory_seq_rm(llama_get_memory(ctx), 0, -1, -1);
+    {
+        llama_batch batch = llama_batch_init(a.size() + c.size(), 0, 1);
+        int n = 0;
+        for (const auto & [toks, seq] : { std::pair{ &a, 0 }, std::pair{ &c, 2 } }) {
+            for (size_t i = 0; i < toks->size(); ++i, ++n) {
+                batch.token[n] = (*toks)[i];
+                batch.pos[n] = i;
+                batch.n_seq_id[n] = 1;
+                batch.seq_id[n][0] = seq;
+                batch.logits[n] = i + 1 == toks->size();
+            }
+        }
+        batch.n_tokens = n;
+        CHECK(llama_decode(ctx, batch) == 0, "decode A and C in one batch");
+        CHECK(last_logits(ctx, a.size() - 1) == ref[0], "A in a batch with C: logits differ from A alone");
+        CHECK(last_logits(ctx, n - 1) == ref[2], "C in a batch with A: logits differ from C alone");
+        CHECK(seq_info(ctx, 0) == ref_info[0] && seq_info(ctx, 2) == ref_info[2], "chunk state after the shared batch");
+        llama_batch_free(batch);
+    }
+
+    // a decode step of all three sequences in one ubatch: full attention per sequence
+    {
+        llama_batch batch = llama_batch_init(3, 0, 1);
+        const llama_pos pos[3] = { (llama_pos) a.size(), (llama_pos) b.size(), (llama_pos) c.size() };
+        for (int s = 0; s < 3; ++s) {
+            batch.token[s] = 1000 + s;
+            batch.pos[s] = pos[s];
+            batch.n_seq_id[s] = 1;
+            batch.seq_id[s][0] = s;
+            batch.logits[s] = true;
+        }
+        batch.n_tokens = 3;
+        CHECK(llama_decode(ctx, batch) == 0, "decode step of three sequences");
+        const std::vector<llama_token> p[3] = { a, b, c };
+        for (int s = 0; s < 3; ++s) {
+            llama_context * one = small_h2o_ctx(model, 32, 32, false, 1, no_fa);
+            CHECK(one && decode_at(one, p[s], 0) == 0 && decode_at(one, { 1000 + s }, pos[s]) == 0, "single decode step");
+            const auto together = last_logits(ctx, s);
+            const auto alone    = last_logits(one);
+            CHECK(together == alone, "seq %d: the batched decode step gives other logits than alone", s);
+            llama_free(one);
+        }
+        llama_batch_free(batch);
+    }
+
+    // the state of seq 1 saved and restored into seq 2: the same chunk state, the same next logits
+    {
+        std::vector<uint8_t> state(llama_state_seq_get_size(ctx, 1));
+        CHECK(llama_state_seq_get_data(ctx, state.data(), state.size(), 1) == state.size(), "seq 1 state saved");
+        CHECK(llama_state_seq_set_data(ctx, state.data(), state.size(), 2) == state.size(), "seq 1 state restored into seq 2");
+        CHECK(seq_info(ctx, 2) == seq_info(ctx, 1), "seq 2 after the restore has another chunk state");
+        std::vector<llama_token> d(130);
+        for (size_t i = 0; i < d.size(); ++i) d[i] = 500 + (int) (i*3 % 5000);
+        const llama_pos p1 = llama_memory_seq_pos_max(llama_get_memory(ctx), 1) + 1;
+        CHECK(decode_at(ctx, d, p1, 1) == 0, "continue seq 1");
+        const auto l1 = last_logits(ctx);
+        CHECK(decode_at(ctx, d, p1, 2) == 0, "continue seq 2");
+        CHECK(last_logits(ctx) == l1, "restored seq 2 continues differently from seq 1");
+        CHECK(seq_info(ctx, 2) == seq_info(ctx, 1), "chunk state after continuing");
+
+        // seq_cp to another stream copies the H2O state too
+        llama_memory_seq_rm(llama_get_memory(ctx), 0, -1, -1);
+        llama_memory_seq_cp(llama_get_memory(ctx), 1, 0, -1, -1);
+        CHECK(seq_info(ctx, 0) == seq_info(ctx, 1), "seq_cp: chunk state not copied");
+        const llama_pos p2 = llama_memory_seq_pos_max(llama_get_memory(ctx), 1) + 1;
+        CHECK(decode_at(ctx, d, p2, 1) == 0, "continue seq 1");
+        const auto l_src = last_logits(ctx);
+        CHECK(decode_at(ctx, d, p2, 0) == 0, "continue its copy, seq 0");
+        CHECK(last_logits(ctx) == l_src, "the copy continues differently from seq 1");
+        CHECK(seq_info(ctx, 0) == seq_info(ctx, 1), "chunk state of the copy after continuing");
+    }
+
+    // a policy per sequence, set while the sequence is empty; back to the context's when emptied
+    {
+        llama_memory_seq_rm(llama_get_memory(ctx), 2, -1, -1);
+        CHECK(llama_h2o_set_seq_select(ctx, 1, LLAMA_H2O_SELECT_HYBRID, 4, 0) == LLAMA_H2O_STATUS_SEQ_NOT_EMPTY, "policy of a non-empty sequence changed");
+        CHECK(llama_h2o_set_seq_select(ctx, 3, LLAMA_H2O_SELECT_HYBRID, 4, 0) == LLAMA_H2O_STATUS_INVALID_SEQ, "seq 3 of 3 accepted");
+        CHECK(llama_h2o_set_seq_select(ctx, 2, LLAMA_H2O_SELECT_HYBRID, 40, 0) == LLAMA_H2O_STATUS_INVALID_SELECT, "a sink over h2o_heavy accepted");
+        CHECK(llama_h2o_set_seq_select(ctx, 2, LLAMA_H2O_SELECT_HYBRID, 4, 8) == LLAMA_H2O_STATUS_OK, "set the policy of seq 2");
+        CHECK(decode_at(ctx, a, 0, 2) == 0, "decode A into seq 2 with the hybrid");
+        const auto hybrid = last_logits(ctx);
+        CHECK(seq_info(ctx, 2)[3] == LLAMA_H2O_SELECT_HYBRID && seq_info(ctx, 1)[3] == LLAMA_H2O_SELECT_H2O, "policies per sequence");
+
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx = 1024; cp.n_batch = 512; cp.n_ubatch = 128; cp.n_seq_max = 1;
+        cp.n_threads = cp.n_threads_batch = 2;
+        cp.flash_attn_type = no_fa;
+        cp.h2o_local = 32; cp.h2o_heavy = 32; cp.h2o_select = LLAMA_H2O_SELECT_HYBRID; cp.h2o_sink = 4; cp.h2o_dense_tail = 8;
+        llama_context * one = llama_init_from_model(model, cp);
+        CHECK(one && decode_at(one, a, 0) == 0, "single-sequence hybrid");
+        CHECK(last_logits(one) == hybrid, "seq 2 with the hybrid differs from a hybrid context");
+        llama_free(one);
+
+        llama_memory_seq_rm(llama_get_memory(ctx), 2, -1, -1);
+        CHECK(seq_info(ctx, 2)[3] == LLAMA_H2O_SELECT_H2O, "an emptied sequence keeps its policy");
+    }
+
+    // a cut inside one sequence's prompt is refused and leaves the other sequences alone
+    {
+        const auto before = seq_info(ctx, 0);
+        CHECK(!llama_memory_seq_rm(llama_get_memory(ctx), 1, 100, -1), "a cut into seq 1's prompt accepted");
+        CHECK(seq_info(ctx, 0) == before, "a refused cut of seq 1 changed seq 0");
+    }
+
+    llama_free(ctx);
+}
+
 // ---------------------------------------------------------------------------------------------
 // benchmarks (seed 001): figures, not asserts
 // ---------------------------------------------------------------------------------------------
@@ -999,14 +1190,14 @@ static void run_benchmarks(const llama_model & model, uint32_t kv_size) {
     // 2: memory-set build per layer, after chunk 0 (no previous memory) and in steady state (chunk >= 1)
     kv->h2o_init_chunk_scores(0, 0, S, intra[0].data());
     const double t_build0 = median_us(51, [&] {
-        kv->h2o_reset();
+        kv->h2o_reset(0);
         kv->h2o_init_chunk_scores(0, 0, S, intra[0].data());
         kv->h2o_build_memory_set(0, S);
     }) - median_us(51, [&] {
-        kv->h2o_reset();
+        kv->h2o_reset(0);
         kv->h2o_init_chunk_scores(0, 0, S, intra[0].data());
     });
-    kv->h2o_reset();
+    kv->h2o_reset(0);
     for (uint32_t c = 0; c + 1 < n_chunks; ++c) {
         kv->h2o_init_chunk_scores(0, c*S, S, intra[c].data());
         kv->h2o_build_memory_set(0, (c + 1)*S);
@@ -1088,6 +1279,8 @@ int main(int argc, char ** argv) {
         { "C API",                           [&] { test_context_api(model); } },
         { "per-sequence state",              [&] { test_seq_state(model); } },
         { "cut to a chunk boundary",         [&] { test_cut_to_chunk_boundary(model); } },
+        { "several sequences",               [&] { test_multi_seq(model); } },
+        { "decode after a one-token ubatch", [&] { test_decode_after_one_token_ubatch(model); } },
     };
 
     int n_failed_tests = 0;
