@@ -116,6 +116,14 @@ impl Sampler {
         unsafe { sys::llama_sampler_sample(self.ptr.as_ptr(), ctx, -1) }
     }
 
+    /// Samples from the logits of the context's output `idx` (its index in the last batch) and
+    /// accepts the token.
+    pub(crate) fn sample_at(&mut self, ctx: *mut sys::llama_context, idx: i32) -> Token {
+        // SAFETY: ctx is a live context; llama.cpp checks idx against the last batch's outputs
+        // and aborts on a bad one, so callers pass indices of tokens that asked for logits.
+        unsafe { sys::llama_sampler_sample(self.ptr.as_ptr(), ctx, idx) }
+    }
+
     /// Forgets accepted tokens and re-seeds, so that a new generation starts fresh.
     pub fn reset(&mut self) {
         // SAFETY: valid chain.

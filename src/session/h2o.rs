@@ -48,19 +48,7 @@ impl Session<'_> {
             // SAFETY: plain-data out parameter, valid context.
             let mut info: sys::llama_h2o_info = unsafe { std::mem::zeroed() };
             let rc = unsafe { sys::llama_h2o_get_info(self.ctx.as_ptr(), &mut info) };
-            (rc == sys::LLAMA_H2O_STATUS_OK).then_some(H2oState {
-                local: info.n_local as u32,
-                heavy: info.n_heavy as u32,
-                memory_size: info.n_memory as u32,
-                chunk_size: info.n_chunk as u32,
-                n_layer: info.n_layer as u32,
-                n_head: info.n_head as u32,
-                kv_size: info.kv_size as u32,
-                chunks_done: info.n_chunks_done as u32,
-                tokens_done: info.n_tokens_done as u32,
-                memory_initialized: info.memory_initialized,
-                size_bytes: info.size_bytes as u64,
-            })
+            (rc == sys::LLAMA_H2O_STATUS_OK).then(|| state_from_info(&info))
         }
     }
 
@@ -205,4 +193,22 @@ fn h2o_status(
         other => H2oError::Other(other),
     }
     .into())
+}
+
+/// [`H2oState`] from what `llama_h2o_get_info` / `llama_h2o_get_seq_info` filled in.
+#[cfg(not(feature = "stock"))]
+pub(super) fn state_from_info(info: &sys::llama_h2o_info) -> H2oState {
+    H2oState {
+        local: info.n_local as u32,
+        heavy: info.n_heavy as u32,
+        memory_size: info.n_memory as u32,
+        chunk_size: info.n_chunk as u32,
+        n_layer: info.n_layer as u32,
+        n_head: info.n_head as u32,
+        kv_size: info.kv_size as u32,
+        chunks_done: info.n_chunks_done as u32,
+        tokens_done: info.n_tokens_done as u32,
+        memory_initialized: info.memory_initialized,
+        size_bytes: info.size_bytes as u64,
+    }
 }

@@ -5,11 +5,13 @@
 mod capture;
 mod config;
 mod h2o;
+mod parallel;
 mod prefix;
 mod state;
 
 pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
+pub use parallel::{ParallelSession, SeqId};
 pub use state::PromptCache;
 
 use std::ffi::c_void;
@@ -107,6 +109,28 @@ impl Batch {
     }
 }
 
+impl Batch {
+    /// Empties the batch for [`Batch::push`].
+    fn clear(&mut self) {
+        self.raw.n_tokens = 0;
+    }
+
+    /// Appends one token of sequence `seq` at `pos`.
+    fn push(&mut self, token: Token, pos: u32, seq: i32, logits: bool) {
+        let i = self.raw.n_tokens as usize;
+        assert!(i < self.capacity, "batch overflow");
+        // SAFETY: i < capacity; arrays allocated by llama_batch_init with one seq id per token.
+        unsafe {
+            *self.raw.token.add(i) = token;
+            *self.raw.pos.add(i) = pos as i32;
+            *self.raw.n_seq_id.add(i) = 1;
+            *(*self.raw.seq_id.add(i)) = seq;
+            *self.raw.logits.add(i) = i8::from(logits);
+        }
+        self.raw.n_tokens += 1;
+    }
+}
+
 impl Drop for Batch {
     fn drop(&mut self) {
         // SAFETY: allocated by llama_batch_init, freed once.
@@ -117,6 +141,48 @@ impl Drop for Batch {
 unsafe extern "C" fn abort_requested(data: *mut c_void) -> bool {
     // SAFETY: `data` is the AtomicBool inside the Arc the session keeps alive while registered.
     unsafe { (*(data as *const AtomicBool)).load(Ordering::Relaxed) }
+}
+
+/// The first position of a call (at `start`, `len` tokens; `logits`: its last one asks for them)
+/// whose queries H2O (`h2o`; `None`: full attention) does not score: all of a one-token call
+/// (decode), or the dense tail of a call that ends a prompt; `u32::MAX` when none.
+fn unscored_from(h2o: Option<H2oConfig>, start: u32, len: usize, logits: bool) -> u32 {
+    let end = start + len as u32;
+    match h2o {
+        Some(_) if len == 1 => start,
+        Some(h2o) if logits && h2o.dense_tail > 0 => end.saturating_sub(h2o.dense_tail).max(start),
+        _ => u32::MAX,
+    }
+}
+
+/// llama.cpp's context parameters for `config`, one sequence (checked by
+/// [`SessionConfig::validate`] first).
+fn context_params(config: &SessionConfig) -> sys::llama_context_params {
+    // SAFETY: default params are plain data; we set scalar fields only.
+    let mut cp = unsafe { sys::llama_context_default_params() };
+    cp.n_ctx = config.n_ctx;
+    cp.n_batch = config.n_batch;
+    cp.n_ubatch = config.n_ubatch;
+    cp.n_seq_max = 1;
+    cp.n_threads = config.n_threads as i32;
+    cp.n_threads_batch = config.n_threads as i32;
+    cp.flash_attn_type = match config.flash_attn {
+        FlashAttention::Auto => sys::LLAMA_FLASH_ATTN_TYPE_AUTO,
+        FlashAttention::On => sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        FlashAttention::Off => sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    };
+    cp.no_perf = false;
+    #[cfg(not(feature = "stock"))]
+    if let Some(h2o) = config.h2o.filter(H2oConfig::is_enabled) {
+        // validate() bounded M = L + H by n_ubatch, so both fit in i32
+        cp.h2o_local = h2o.local as i32;
+        cp.h2o_heavy = h2o.heavy as i32;
+        cp.h2o_select = h2o.select.to_sys();
+        cp.h2o_sink = h2o.sink as i32; // <= heavy (validate())
+        cp.h2o_dense_tail = i32::try_from(h2o.dense_tail).unwrap_or(i32::MAX);
+        cp.h2o_undo_log = config.h2o_undo_log;
+    }
+    cp
 }
 
 /// A llama.cpp context on a [`Model`], holding one sequence's KV cache.
@@ -174,30 +240,8 @@ impl<'m> Session<'m> {
     pub fn new(model: &'m Model, config: SessionConfig) -> Result<Self> {
         config.validate()?;
         backend::init();
-        // SAFETY: default params are plain data; we set scalar fields only.
-        let mut cp = unsafe { sys::llama_context_default_params() };
-        cp.n_ctx = config.n_ctx;
-        cp.n_batch = config.n_batch;
-        cp.n_ubatch = config.n_ubatch;
-        cp.n_seq_max = 1;
-        cp.n_threads = config.n_threads as i32;
-        cp.n_threads_batch = config.n_threads as i32;
-        cp.flash_attn_type = match config.flash_attn {
-            FlashAttention::Auto => sys::LLAMA_FLASH_ATTN_TYPE_AUTO,
-            FlashAttention::On => sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            FlashAttention::Off => sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        };
-        cp.no_perf = false;
-        #[cfg(not(feature = "stock"))]
-        if let Some(h2o) = config.h2o.filter(H2oConfig::is_enabled) {
-            // validate() bounded M = L + H by n_ubatch, so both fit in i32
-            cp.h2o_local = h2o.local as i32;
-            cp.h2o_heavy = h2o.heavy as i32;
-            cp.h2o_select = h2o.select.to_sys();
-            cp.h2o_sink = h2o.sink as i32; // <= heavy (validate())
-            cp.h2o_dense_tail = i32::try_from(h2o.dense_tail).unwrap_or(i32::MAX);
-            cp.h2o_undo_log = config.h2o_undo_log;
-        }
+        #[allow(unused_mut)] // the attention capture sets the eval callback
+        let mut cp = context_params(&config);
         let capture = config
             .capture_attention
             .then(|| Box::new(CaptureSink::default()));
@@ -372,14 +416,7 @@ impl<'m> Session<'m> {
     /// them) whose queries H2O does not score: all of a one-token call (decode), or the dense
     /// tail of a call that ends a prompt.
     fn unscored_from(&self, start: u32, len: usize, logits: bool) -> u32 {
-        let end = start + len as u32;
-        match self.h2o() {
-            Some(_) if len == 1 => start,
-            Some(h2o) if logits && h2o.dense_tail > 0 => {
-                end.saturating_sub(h2o.dense_tail).max(start)
-            }
-            _ => u32::MAX,
-        }
+        unscored_from(self.h2o(), start, len, logits)
     }
 
     /// Runs `llama_decode` on the filled batch, mapping failures (an interrupted or aborted

@@ -3,7 +3,7 @@
 //! (regenerate, the next turn of a chat), kept exactly equal to a fresh session's result under
 //! H2O (patches 0012 and 0014).
 
-use super::Session;
+use super::{H2oConfig, Session, SessionConfig};
 use crate::backend;
 use crate::error::{Error, Result};
 use crate::model::Token;
@@ -83,11 +83,7 @@ impl Session<'_> {
     /// chunk boundary before the fresh prefill's dense tail and before anything in the
     /// session's history a fresh prefill does not have.
     fn reusable(&self, n: u32, common: u32) -> u32 {
-        if self.h2o().is_none() {
-            return common;
-        }
-        let s = self.config.n_ubatch;
-        common.min(self.fresh_tail_start(n)).min(self.fresh_until) / s * s
+        reusable(self.h2o(), &self.config, n, common, self.fresh_until)
     }
 
     /// Cuts the cache back to its first `keep` tokens, or empties it where llama.cpp refuses
@@ -100,21 +96,6 @@ impl Session<'_> {
         } else {
             self.reset();
             0
-        }
-    }
-
-    /// Where the H2O state of a fresh session that evaluates `n` tokens stops being a plain
-    /// prefill's: its last call's dense tail, or its last call when that holds one token
-    /// (decode); `n` when neither.
-    fn fresh_tail_start(&self, n: u32) -> u32 {
-        let n_batch = self.config.n_batch;
-        let last_call = (n.max(1) - 1) / n_batch * n_batch;
-        match self.h2o() {
-            Some(_) if n_batch == 1 => 0,
-            Some(_) => self
-                .unscored_from(last_call, (n - last_call) as usize, true)
-                .min(n),
-            None => n,
         }
     }
 
@@ -132,5 +113,40 @@ impl Session<'_> {
             self.prompt_end = self.prompt_end.min(n);
         }
         cut
+    }
+}
+
+/// How many of a sequence's first `common` tokens can be kept so that, once the rest of a prompt
+/// of `n` tokens is evaluated in the calls a fresh sequence makes, the sequence is exactly a fresh
+/// one: all of them with full attention; with H2O (`h2o`), up to the chunk boundary before the
+/// fresh prefill's dense tail and before `fresh_until`, the first position of the sequence's own
+/// history a fresh prefill does not have (a dense tail, a decoded token).
+pub(super) fn reusable(
+    h2o: Option<H2oConfig>,
+    config: &SessionConfig,
+    n: u32,
+    common: u32,
+    fresh_until: u32,
+) -> u32 {
+    if h2o.is_none() {
+        return common;
+    }
+    let s = config.n_ubatch;
+    common
+        .min(fresh_tail_start(h2o, config.n_batch, n))
+        .min(fresh_until)
+        / s
+        * s
+}
+
+/// Where the H2O state of a fresh sequence that evaluates `n` tokens in calls of `n_batch` stops
+/// being a plain prefill's: its last call's dense tail, or its last call when that holds one
+/// token (decode); `n` when neither.
+fn fresh_tail_start(h2o: Option<H2oConfig>, n_batch: u32, n: u32) -> u32 {
+    let last_call = (n.max(1) - 1) / n_batch * n_batch;
+    match h2o {
+        Some(_) if n_batch == 1 => 0,
+        Some(_) => super::unscored_from(h2o, last_call, (n - last_call) as usize, true).min(n),
+        None => n,
     }
 }

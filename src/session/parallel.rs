@@ -1,0 +1,460 @@
+//! Several sequences on one context, as a server's slots: each sequence has its own KV stream
+//! and, with H2O, its own H2O state (patch 0015), its prompt evaluated in calls the caller
+//! interleaves with decode steps of all sequences in one `llama_decode` (continuous batching).
+//!
+//! A sequence's results are those of a [`Session`](super::Session) holding it alone, bit for bit:
+//! its prompt calls are the calls a session makes, prefix reuse keeps only what a fresh prefill
+//! would reach unchanged (the rules of [`Session::evaluate_reusing`](super::Session::evaluate_reusing)),
+//! and a decode step of several sequences gives each the logits of its own step. For that last
+//! point flash attention is off with more than one sequence: llama.cpp's CPU flash-attention
+//! kernel (at the pinned version) gives one stream of a multi-stream decode ubatch other logits
+//! than alone (max |diff| 0.40 on SmolLM2; `tests/cpp/test-h2o-kv-cache.cpp`, "several
+//! sequences"), with or without H2O.
+
+use std::ptr::NonNull;
+
+use super::prefix::reusable;
+use super::{unscored_from, Batch, FlashAttention, H2oConfig, H2oState, SessionConfig};
+use crate::error::{DecodeError, Error, Result};
+use crate::model::{Model, Token};
+use crate::sampler::Sampler;
+use crate::{backend, sys};
+
+/// A sequence of a [`ParallelSession`]: `0 .. n_seq`.
+pub type SeqId = u32;
+
+/// What a sequence holds, and the H2O bookkeeping prefix reuse needs (as in `Session`).
+#[derive(Debug, Clone)]
+struct SeqBook {
+    tokens: Vec<Token>,
+    /// End of the last prompt call (more than one token).
+    prompt_end: u32,
+    /// First position whose H2O state may differ from a fresh prefill's.
+    fresh_until: u32,
+    /// The memory selection this sequence runs (L and H are the context's).
+    h2o: Option<H2oConfig>,
+}
+
+impl SeqBook {
+    fn empty(h2o: Option<H2oConfig>) -> Self {
+        Self {
+            tokens: Vec::new(),
+            prompt_end: 0,
+            fresh_until: u32::MAX,
+            h2o,
+        }
+    }
+
+    fn n_past(&self) -> u32 {
+        self.tokens.len() as u32
+    }
+}
+
+/// One llama.cpp context serving `n_seq` sequences, each with its own KV stream of
+/// `n_ctx_seq` cells and its own H2O state.
+pub struct ParallelSession<'m> {
+    model: &'m Model,
+    ctx: NonNull<sys::llama_context>,
+    batch: Batch,
+    config: SessionConfig,
+    n_ctx_seq: u32,
+    seqs: Vec<SeqBook>,
+}
+
+// SAFETY: a llama_context may move between threads; it is only used through &mut self.
+unsafe impl Send for ParallelSession<'_> {}
+
+impl Drop for ParallelSession<'_> {
+    fn drop(&mut self) {
+        // SAFETY: owned context, freed once, before the model it borrows.
+        unsafe { sys::llama_free(self.ctx.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for ParallelSession<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParallelSession")
+            .field("config", &self.config)
+            .field("n_seq", &self.seqs.len())
+            .field("n_ctx_seq", &self.n_ctx_seq)
+            .finish()
+    }
+}
+
+impl<'m> ParallelSession<'m> {
+    /// Creates a context on `model` for `n_seq` sequences; `config.n_ctx` is the context of
+    /// each (0: the model's training context), so the KV cache holds `n_seq` times that.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for bad parameters or `n_seq` outside `1..=256`;
+    /// [`Error::ContextInit`] with llama.cpp's reason when it cannot create the context.
+    pub fn new(model: &'m Model, config: SessionConfig, n_seq: u32) -> Result<Self> {
+        config.validate()?;
+        if config.capture_attention {
+            return Err(Error::InvalidConfig(
+                "attention capture serves one sequence: use a Session".into(),
+            ));
+        }
+        if !(1..=256).contains(&n_seq) {
+            return Err(Error::InvalidConfig(format!(
+                "{n_seq} sequences (-np): use 1 to 256"
+            )));
+        }
+        backend::init();
+        let mut config = config;
+        if n_seq > 1 && config.flash_attn == FlashAttention::Auto {
+            config.flash_attn = FlashAttention::Off; // see the module documentation
+        }
+        let n_ctx_seq = match config.n_ctx {
+            0 => model.n_ctx_train(),
+            c => c,
+        };
+        let mut cp = super::context_params(&config);
+        cp.n_ctx = n_ctx_seq.saturating_mul(n_seq);
+        cp.n_seq_max = n_seq;
+        cp.kv_unified = false;
+        backend::clear_recent_log();
+        // SAFETY: model outlives the context (lifetime 'm); ownership of the result is ours.
+        let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
+        let ctx = NonNull::new(raw).ok_or_else(|| Error::ContextInit {
+            reason: backend::recent_log_reason(),
+        })?;
+        // SAFETY: valid context. llama.cpp pads each sequence's context to 256 cells and caps
+        // n_batch at n_ctx and n_ubatch at n_batch: use what is in effect.
+        let n_ctx_seq = unsafe { sys::llama_n_ctx_seq(ctx.as_ptr()) };
+        (config.n_batch, config.n_ubatch) = unsafe {
+            (
+                sys::llama_n_batch(ctx.as_ptr()),
+                sys::llama_n_ubatch(ctx.as_ptr()),
+            )
+        };
+        config.n_ctx = n_ctx_seq;
+        let h2o = config.h2o.filter(H2oConfig::is_enabled);
+        Ok(Self {
+            model,
+            ctx,
+            batch: Batch::new(config.n_batch.max(n_seq)),
+            config,
+            n_ctx_seq,
+            seqs: vec![SeqBook::empty(h2o); n_seq as usize],
+        })
+    }
+
+    /// The model this session runs.
+    #[must_use]
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// The parameters in effect (`n_ctx` per sequence, `n_batch` and `n_ubatch` as capped).
+    #[must_use]
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    #[must_use]
+    pub fn n_seq(&self) -> u32 {
+        self.seqs.len() as u32
+    }
+
+    /// Cells of each sequence: the longest prompt + completion it holds.
+    #[must_use]
+    pub fn n_ctx_seq(&self) -> u32 {
+        self.n_ctx_seq
+    }
+
+    /// The tokens sequence `seq` holds, in order.
+    ///
+    /// # Panics
+    /// When `seq >= n_seq`.
+    #[must_use]
+    pub fn tokens(&self, seq: SeqId) -> &[Token] {
+        &self.seqs[seq as usize].tokens
+    }
+
+    /// The memory selection sequence `seq` runs (`None`: full attention).
+    #[must_use]
+    pub fn h2o(&self, seq: SeqId) -> Option<H2oConfig> {
+        self.seqs.get(seq as usize).and_then(|b| b.h2o)
+    }
+
+    /// Empties sequence `seq`; its memory selection goes back to the context's.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a sequence outside `0..n_seq`.
+    pub fn clear(&mut self, seq: SeqId) -> Result<()> {
+        self.check_seq(seq)?;
+        // SAFETY: valid context and memory; seq < n_seq_max.
+        unsafe {
+            sys::llama_memory_seq_rm(sys::llama_get_memory(self.ctx.as_ptr()), seq as i32, -1, -1);
+        }
+        self.seqs[seq as usize] = SeqBook::empty(self.config.h2o.filter(H2oConfig::is_enabled));
+        Ok(())
+    }
+
+    /// Prepares sequence `seq` for `prompt` with memory selection `h2o` (its `local` and
+    /// `heavy` must be the context's; `None`: the context's selection): keeps the longest
+    /// prefix of what the sequence holds that a fresh prefill of `prompt` would reach unchanged
+    /// (with H2O, up to a chunk boundary; none when the selection changes), and returns how many
+    /// tokens it kept. Evaluate the rest, `prompt[kept..]`, with [`ParallelSession::prefill`].
+    ///
+    /// # Errors
+    /// [`Error::EmptyPrompt`]; [`Error::PromptTooLong`] when `prompt` does not fit the
+    /// sequence's context; [`Error::InvalidConfig`] for a bad sequence or selection.
+    pub fn start_prompt(
+        &mut self,
+        seq: SeqId,
+        prompt: &[Token],
+        h2o: Option<H2oConfig>,
+    ) -> Result<usize> {
+        self.check_seq(seq)?;
+        self.check_tokens(seq, prompt, 0)?;
+        let default = self.config.h2o.filter(H2oConfig::is_enabled);
+        let want = h2o.filter(H2oConfig::is_enabled).or(default);
+        if let (Some(w), Some(d)) = (want, default) {
+            if (w.local, w.heavy) != (d.local, d.heavy) || w.sink > w.heavy {
+                return Err(Error::InvalidConfig(format!(
+                    "a sequence's H2O memory is the context's L = {}, H = {} with a sink of at most H \
+                     (asked: L = {}, H = {}, sink {})",
+                    d.local, d.heavy, w.local, w.heavy, w.sink
+                )));
+            }
+        } else if want != default {
+            return Err(Error::InvalidConfig(
+                "H2O per sequence needs a context with H2O on (--h2o-local/--h2o-heavy)".into(),
+            ));
+        }
+        let book = &self.seqs[seq as usize];
+        let keep = if book.h2o == want {
+            let common = super::state::common_prefix(&book.tokens, prompt).min(prompt.len() - 1);
+            reusable(book.h2o, &self.config, prompt.len() as u32, common as u32, book.fresh_until)
+        } else {
+            0
+        };
+        let kept = self.rewind(seq, keep);
+        // kept > 0 only where the selection stays; an emptied sequence runs the context's
+        if want != self.seqs[seq as usize].h2o {
+            self.set_selection(seq, want)?;
+        }
+        Ok(kept as usize)
+    }
+
+    /// Evaluates the next call of a prompt's remaining tokens `rest` in sequence `seq`: as many
+    /// as a fresh session's call holds there (up to the next multiple of `n_batch`), with
+    /// next-token logits for the last token of `rest` when this call reaches it (then
+    /// [`ParallelSession::sample_last`] samples it). Returns how many tokens it evaluated.
+    ///
+    /// # Errors
+    /// As [`Session::evaluate`](super::Session::evaluate); a failed call leaves the sequence
+    /// empty.
+    pub fn prefill(&mut self, seq: SeqId, rest: &[Token]) -> Result<usize> {
+        self.check_seq(seq)?;
+        self.check_tokens(seq, rest, 0)?;
+        let n_batch = self.config.n_batch as usize;
+        let start = self.seqs[seq as usize].n_past();
+        let room = n_batch - start as usize % n_batch;
+        let piece = &rest[..rest.len().min(room)];
+        let last = piece.len() == rest.len();
+        self.batch.clear();
+        for (i, &t) in piece.iter().enumerate() {
+            self.batch
+                .push(t, start + i as u32, seq as i32, last && i + 1 == piece.len());
+        }
+        self.decode_batch(&[seq])?;
+        let book = &mut self.seqs[seq as usize];
+        book.tokens.extend_from_slice(piece);
+        if piece.len() > 1 {
+            book.prompt_end = book.n_past();
+        }
+        book.fresh_until = book
+            .fresh_until
+            .min(unscored_from(book.h2o, start, piece.len(), last));
+        Ok(piece.len())
+    }
+
+    /// One decode step: each `(seq, token)` appended to its sequence, all in one `llama_decode`,
+    /// with next-token logits for each; [`ParallelSession::sample_at`] with the step's index
+    /// `i` samples the `i`-th.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a bad or repeated sequence, or a full one
+    /// ([`Error::PromptTooLong`]); a failed step leaves its sequences empty.
+    pub fn decode(&mut self, step: &[(SeqId, Token)]) -> Result<()> {
+        if step.is_empty() {
+            return Ok(());
+        }
+        if step.len() > self.seqs.len() {
+            return Err(Error::InvalidConfig(format!(
+                "a decode step of {} tokens for {} sequences: one token per sequence",
+                step.len(),
+                self.seqs.len()
+            )));
+        }
+        let mut seen = vec![false; self.seqs.len()];
+        for &(seq, t) in step {
+            self.check_seq(seq)?;
+            if std::mem::replace(&mut seen[seq as usize], true) {
+                return Err(Error::InvalidConfig(format!(
+                    "sequence {seq} appears twice in one decode step"
+                )));
+            }
+            self.check_tokens(seq, &[t], 0)?;
+        }
+        self.batch.clear();
+        for &(seq, t) in step {
+            self.batch
+                .push(t, self.seqs[seq as usize].n_past(), seq as i32, true);
+        }
+        let seqs: Vec<SeqId> = step.iter().map(|&(s, _)| s).collect();
+        self.decode_batch(&seqs)?;
+        for &(seq, t) in step {
+            let book = &mut self.seqs[seq as usize];
+            let start = book.n_past();
+            book.tokens.push(t);
+            book.fresh_until = book.fresh_until.min(unscored_from(book.h2o, start, 1, true));
+        }
+        Ok(())
+    }
+
+    /// Samples with `sampler` from the logits of the last [`ParallelSession::prefill`] call
+    /// that reached the end of its prompt.
+    pub fn sample_last(&mut self, sampler: &mut Sampler) -> Token {
+        sampler.sample_at(self.ctx.as_ptr(), -1)
+    }
+
+    /// Samples with `sampler` from the logits of entry `i` of the last
+    /// [`ParallelSession::decode`] step.
+    ///
+    /// # Panics
+    /// When `i` is not an index of that step.
+    pub fn sample_at(&mut self, sampler: &mut Sampler, i: usize) -> Token {
+        let n = self.batch.raw.n_tokens as usize;
+        assert!(i < n, "decode step entry {i} of {n}");
+        sampler.sample_at(self.ctx.as_ptr(), i as i32)
+    }
+
+    /// The H2O state of sequence `seq` (its chunk progress), or `None` with full attention.
+    #[must_use]
+    pub fn h2o_state(&self, seq: SeqId) -> Option<H2oState> {
+        #[cfg(feature = "stock")]
+        {
+            let _ = seq;
+            None
+        }
+        #[cfg(not(feature = "stock"))]
+        {
+            let seq = i32::try_from(seq).ok()?;
+            // SAFETY: plain-data out parameter, valid context; llama.cpp checks seq.
+            let mut info: sys::llama_h2o_info = unsafe { std::mem::zeroed() };
+            let rc = unsafe { sys::llama_h2o_get_seq_info(self.ctx.as_ptr(), seq, &mut info) };
+            (rc == sys::LLAMA_H2O_STATUS_OK).then(|| super::h2o::state_from_info(&info))
+        }
+    }
+
+    fn check_seq(&self, seq: SeqId) -> Result<()> {
+        if (seq as usize) < self.seqs.len() {
+            Ok(())
+        } else {
+            Err(Error::InvalidConfig(format!(
+                "sequence {seq} of a session with {} sequences",
+                self.seqs.len()
+            )))
+        }
+    }
+
+    fn check_tokens(&self, seq: SeqId, tokens: &[Token], n_predict: usize) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let n_past = self.seqs[seq as usize].tokens.len();
+        if n_past + tokens.len() + n_predict > self.n_ctx_seq as usize {
+            return Err(Error::PromptTooLong {
+                n_past,
+                n_prompt: tokens.len(),
+                n_predict,
+                n_ctx: self.n_ctx_seq,
+                n_ctx_train: self.model.n_ctx_train(),
+            });
+        }
+        let vocab = self.model.n_vocab() as i32;
+        if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t >= vocab) {
+            return Err(Error::Tokenize(format!(
+                "token id {bad} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sets the memory selection of the empty sequence `seq`.
+    fn set_selection(&mut self, seq: SeqId, h2o: Option<H2oConfig>) -> Result<()> {
+        #[cfg(not(feature = "stock"))]
+        if let Some(h) = h2o {
+            // SAFETY: valid context; llama.cpp checks every argument.
+            let rc = unsafe {
+                sys::llama_h2o_set_seq_select(
+                    self.ctx.as_ptr(),
+                    seq as i32,
+                    h.select.to_sys(),
+                    h.sink as i32,
+                    i32::try_from(h.dense_tail).unwrap_or(i32::MAX),
+                )
+            };
+            if rc != sys::LLAMA_H2O_STATUS_OK {
+                return Err(Error::InvalidConfig(format!(
+                    "llama.cpp refused the H2O selection {} (sink {}, dense tail {}) for sequence {seq} \
+                     (status {rc})",
+                    h.select.name(),
+                    h.sink,
+                    h.dense_tail
+                )));
+            }
+        }
+        self.seqs[seq as usize].h2o = h2o;
+        Ok(())
+    }
+
+    /// Cuts sequence `seq` back to its first `keep` tokens, or empties it where llama.cpp
+    /// refuses the cut (or `keep` is 0); returns the tokens kept.
+    fn rewind(&mut self, seq: SeqId, keep: u32) -> u32 {
+        let book = &self.seqs[seq as usize];
+        if keep == book.n_past() {
+            return keep;
+        }
+        // SAFETY: valid context and memory; keep <= n_past fits in i32.
+        let cut = keep > 0
+            && unsafe {
+                sys::llama_memory_seq_rm(
+                    sys::llama_get_memory(self.ctx.as_ptr()),
+                    seq as i32,
+                    keep as i32,
+                    -1,
+                )
+            };
+        let book = &mut self.seqs[seq as usize];
+        if cut {
+            book.tokens.truncate(keep as usize);
+            book.prompt_end = book.prompt_end.min(keep);
+            // `keep` is at most `fresh_until`, and nothing of the history after it is left
+            book.fresh_until = u32::MAX;
+            keep
+        } else {
+            // emptied, the sequence runs the context's selection again (in llama.cpp too)
+            let _ = self.clear(seq);
+            0
+        }
+    }
+
+    /// Runs `llama_decode` on the filled batch; on failure the sequences in it are emptied
+    /// (part of the batch may be in the cache).
+    fn decode_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
+        // SAFETY: valid context and a batch filled within its capacity.
+        let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch.raw) };
+        if rc == 0 {
+            return Ok(());
+        }
+        for &seq in seqs {
+            let _ = self.clear(seq);
+        }
+        Err(Error::Decode(DecodeError::from_code(rc)))
+    }
+}

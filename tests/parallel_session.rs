@@ -1,0 +1,202 @@
+//! Several sequences on one context (`ParallelSession`, patch 0015), on the default model: each
+//! sequence generates, greedily, exactly what a `Session` holding it alone generates, with its
+//! prompt calls interleaved with the other sequences' and its decode steps batched with theirs;
+//! a next prompt reuses what a fresh prefill would reach unchanged; a sequence can run its own
+//! memory selection; bad sequences and prompts are typed errors.
+
+mod common;
+
+use h2o_llama::{
+    Error, FlashAttention, H2oConfig, ParallelSession, Sampler, SamplerConfig, Selection, Session,
+    SessionConfig, Token,
+};
+
+const N_PREDICT: usize = 12;
+
+fn config(h2o: Option<H2oConfig>) -> SessionConfig {
+    SessionConfig {
+        n_ctx: 1024,
+        n_batch: 256,
+        n_ubatch: 64,
+        n_threads: 2,
+        // as ParallelSession runs several sequences (see its documentation)
+        flash_attn: FlashAttention::Off,
+        h2o,
+        // so that a next prompt can cut a sequence back to a chunk boundary inside its prompt
+        h2o_undo_log: h2o.is_some(),
+        ..SessionConfig::default()
+    }
+}
+
+fn h2o() -> Option<H2oConfig> {
+    if cfg!(feature = "stock") {
+        None
+    } else {
+        Some(H2oConfig::seed(16, 16))
+    }
+}
+
+/// Prompts of different lengths: several chunks, a chunk and one token, a single call.
+fn prompts() -> Vec<Vec<Token>> {
+    let m = common::model();
+    let text = "The lighthouse keeper counted the ships that passed the cape each night, \
+                and wrote their names in a book that nobody else ever read. ";
+    let all = m.tokenize(&text.repeat(40), true, false).unwrap();
+    vec![all[..300].to_vec(), all[..129].to_vec(), all[..40].to_vec()]
+}
+
+/// Greedy tokens a session generates for `prompt` alone, stopping at end of generation.
+fn alone(prompt: &[Token], h2o: Option<H2oConfig>) -> Vec<Token> {
+    let m = common::model();
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
+    s.generate(prompt, &mut greedy, N_PREDICT, |_| true).unwrap().tokens
+}
+
+/// Runs every prompt in its own sequence of `p`: prefill calls round-robin, then decode steps of
+/// all unfinished sequences together; returns each sequence's generated tokens.
+fn together(p: &mut ParallelSession<'_>, prompts: &[Vec<Token>], kept: &[usize]) -> Vec<Vec<Token>> {
+    let m = common::model();
+    let mut samplers: Vec<Sampler> = prompts
+        .iter()
+        .map(|_| Sampler::new(&SamplerConfig::greedy()).unwrap())
+        .collect();
+    let mut done = kept.to_vec();
+    let mut out: Vec<Vec<Token>> = vec![Vec::new(); prompts.len()];
+    let mut next: Vec<Option<Token>> = vec![None; prompts.len()];
+    let mut finished = vec![false; prompts.len()];
+    while done.iter().zip(prompts).any(|(&d, pr)| d < pr.len()) {
+        for (i, pr) in prompts.iter().enumerate() {
+            if done[i] < pr.len() {
+                done[i] += p.prefill(i as u32, &pr[done[i]..]).unwrap();
+                if done[i] == pr.len() {
+                    next[i] = Some(p.sample_last(&mut samplers[i]));
+                }
+            }
+        }
+    }
+    loop {
+        let mut step = Vec::new();
+        for i in 0..prompts.len() {
+            if let Some(t) = next[i].take() {
+                if m.is_end_of_generation(t) {
+                    finished[i] = true;
+                    continue;
+                }
+                out[i].push(t);
+                if out[i].len() == N_PREDICT {
+                    finished[i] = true;
+                } else {
+                    step.push((i as u32, t));
+                }
+            }
+        }
+        if step.is_empty() {
+            break;
+        }
+        p.decode(&step).unwrap();
+        for (k, &(seq, _)) in step.iter().enumerate() {
+            next[seq as usize] = Some(p.sample_at(&mut samplers[seq as usize], k));
+        }
+    }
+    assert!(finished.iter().all(|&f| f));
+    out
+}
+
+#[test]
+fn each_sequence_generates_what_a_session_alone_generates() {
+    let m = common::model();
+    let prompts = prompts();
+    for h in [None, h2o()] {
+        let mut p = ParallelSession::new(m, config(h), prompts.len() as u32).unwrap();
+        assert_eq!((p.n_seq(), p.n_ctx_seq()), (3, 1024));
+        let kept: Vec<usize> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, pr)| p.start_prompt(i as u32, pr, None).unwrap())
+            .collect();
+        assert_eq!(kept, vec![0, 0, 0]);
+        let got = together(&mut p, &prompts, &kept);
+        for (i, pr) in prompts.iter().enumerate() {
+            assert_eq!(got[i], alone(pr, h), "sequence {i} ({} prompt tokens), H2O {h:?}", pr.len());
+            assert_eq!(p.tokens(i as u32)[..pr.len()], pr[..]);
+        }
+        if h.is_some() {
+            let st = p.h2o_state(0).expect("H2O state of sequence 0");
+            assert_eq!((st.chunks_done, st.tokens_done), (4, 256), "300 prompt tokens, S = 64");
+            assert_eq!(p.h2o_state(2).unwrap().chunks_done, 0, "40 tokens: no chunk complete");
+        } else {
+            assert!(p.h2o_state(0).is_none());
+        }
+    }
+}
+
+#[test]
+fn a_next_prompt_reuses_what_a_fresh_prefill_would_reach() {
+    let m = common::model();
+    let prompts = prompts();
+    let mut p = ParallelSession::new(m, config(h2o()), 2).unwrap();
+    let first = &prompts[0];
+    p.start_prompt(0, first, None).unwrap();
+    together(&mut p, std::slice::from_ref(first), &[0]);
+
+    // the next turn: the whole history plus more text
+    let mut next = p.tokens(0).to_vec();
+    next.extend_from_slice(&prompts[2]);
+    let kept = p.start_prompt(0, &next, None).unwrap();
+    let expect = if h2o().is_some() {
+        256 // the last chunk boundary inside the first prompt (300 tokens, S = 64)
+    } else {
+        first.len() + N_PREDICT - 1 // all but the last generated token, which was never evaluated
+    };
+    assert_eq!(kept, expect);
+    let got = together(&mut p, std::slice::from_ref(&next), &[kept]);
+    assert_eq!(got[0], alone(&next, h2o()), "reused {kept} tokens");
+}
+
+#[test]
+#[cfg(not(feature = "stock"))]
+fn a_sequence_runs_its_own_memory_selection() {
+    let m = common::model();
+    let prompts = prompts();
+    let hybrid = H2oConfig {
+        select: Selection::Hybrid,
+        sink: 4,
+        dense_tail: 8,
+        ..H2oConfig::seed(16, 16)
+    };
+    let mut p = ParallelSession::new(m, config(h2o()), 2).unwrap();
+    p.start_prompt(0, &prompts[0], None).unwrap();
+    p.start_prompt(1, &prompts[0], Some(hybrid)).unwrap();
+    assert_eq!((p.h2o(0), p.h2o(1)), (h2o(), Some(hybrid)));
+    let got = together(&mut p, &[prompts[0].clone(), prompts[0].clone()], &[0, 0]);
+    assert_eq!(got[0], alone(&prompts[0], h2o()));
+    assert_eq!(got[1], alone(&prompts[0], Some(hybrid)));
+
+    // a new selection starts the sequence over; L and H are the context's
+    assert_eq!(p.start_prompt(1, &prompts[0], None).unwrap(), 0);
+    assert_eq!(p.h2o(1), h2o());
+    let err = p
+        .start_prompt(1, &prompts[0], Some(H2oConfig::seed(8, 24)))
+        .unwrap_err();
+    assert!(err.to_string().contains("L = 16, H = 16"), "{err}");
+}
+
+#[test]
+fn bad_sequences_and_prompts_are_errors() {
+    let m = common::model();
+    let mut p = ParallelSession::new(m, config(h2o()), 2).unwrap();
+    let err = p.start_prompt(2, &[1, 2, 3], None).unwrap_err();
+    assert!(err.to_string().contains("sequence 2 of a session with 2"), "{err}");
+    assert!(matches!(p.start_prompt(0, &[], None), Err(Error::EmptyPrompt)));
+    let long = vec![1; 1025];
+    assert!(matches!(
+        p.start_prompt(0, &long, None),
+        Err(Error::PromptTooLong { n_ctx: 1024, .. })
+    ));
+    p.start_prompt(0, &[1, 2, 3], None).unwrap();
+    p.prefill(0, &[1, 2, 3]).unwrap();
+    let err = p.decode(&[(0, 5), (0, 6)]).unwrap_err();
+    assert!(err.to_string().contains("twice"), "{err}");
+    assert!(ParallelSession::new(m, config(h2o()), 0).is_err());
+}
