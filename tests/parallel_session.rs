@@ -7,7 +7,7 @@
 mod common;
 
 use h2o_llama::{
-    Error, FlashAttention, H2oConfig, ParallelSession, Sampler, SamplerConfig, Selection, Session,
+    ChatMessage, Error, FlashAttention, H2oConfig, ParallelSession, Sampler, SamplerConfig, Selection, Session,
     SessionConfig, Token,
 };
 
@@ -68,7 +68,7 @@ fn together(p: &mut ParallelSession<'_>, prompts: &[Vec<Token>], kept: &[usize])
     while done.iter().zip(prompts).any(|(&d, pr)| d < pr.len()) {
         for (i, pr) in prompts.iter().enumerate() {
             if done[i] < pr.len() {
-                done[i] += p.prefill(i as u32, &pr[done[i]..]).unwrap();
+                done[i] += p.prefill(i as u32, &pr[done[i]..], usize::MAX).unwrap();
                 if done[i] == pr.len() {
                     next[i] = Some(p.sample_last(&mut samplers[i]));
                 }
@@ -162,7 +162,8 @@ fn a_sequence_runs_its_own_memory_selection() {
     let hybrid = H2oConfig {
         select: Selection::Hybrid,
         sink: 4,
-        dense_tail: 8,
+        // longer than the last 64-token call of a 300-token prompt (44 tokens)
+        dense_tail: 48,
         ..H2oConfig::seed(16, 16)
     };
     let mut p = ParallelSession::new(m, config(h2o()), 2).unwrap();
@@ -172,6 +173,19 @@ fn a_sequence_runs_its_own_memory_selection() {
     let got = together(&mut p, &[prompts[0].clone(), prompts[0].clone()], &[0, 0]);
     assert_eq!(got[0], alone(&prompts[0], h2o()));
     assert_eq!(got[1], alone(&prompts[0], Some(hybrid)));
+
+    // prompt calls of one chunk (a server's, while other sequences generate) keep the dense
+    // tail whole in the last call, as a fresh session's
+    assert_eq!(p.start_prompt(0, &prompts[0], Some(hybrid)).unwrap(), 0);
+    let mut done = 0;
+    while done < prompts[0].len() {
+        let k = p.prefill(0, &prompts[0][done..], 64).unwrap();
+        assert!(k <= 64 || done + k == prompts[0].len(), "a call of {k} tokens at {done}");
+        done += k;
+    }
+    let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
+    let first = p.sample_last(&mut greedy);
+    assert_eq!(first, alone(&prompts[0], Some(hybrid))[0]);
 
     // a new selection starts the sequence over; L and H are the context's
     assert_eq!(p.start_prompt(1, &prompts[0], None).unwrap(), 0);
@@ -195,8 +209,64 @@ fn bad_sequences_and_prompts_are_errors() {
         Err(Error::PromptTooLong { n_ctx: 1024, .. })
     ));
     p.start_prompt(0, &[1, 2, 3], None).unwrap();
-    p.prefill(0, &[1, 2, 3]).unwrap();
+    p.prefill(0, &[1, 2, 3], usize::MAX).unwrap();
+    // a next prompt replaces what the sequence holds: it may use the whole context
+    assert!(p.start_prompt(0, &vec![1; 1024], None).unwrap() <= 1);
     let err = p.decode(&[(0, 5), (0, 6)]).unwrap_err();
     assert!(err.to_string().contains("twice"), "{err}");
     assert!(ParallelSession::new(m, config(h2o()), 0).is_err());
+}
+
+/// A server's prompt calls: one chunk at a time while other sequences generate, their decode
+/// steps batched with this sequence's; with the recommended selection (hybrid, sinks, a dense
+/// tail of 64) the sequence still generates what a session alone generates.
+#[test]
+#[cfg(not(feature = "stock"))]
+fn chunked_prompt_calls_among_generating_sequences_change_nothing() {
+    let m = common::model();
+    let h = Some(H2oConfig::new(16, 16));
+    let text = "The ledger records that the harbour master counted the ships at dawn and wrote the number down. ";
+    let mut p = ParallelSession::new(m, config(h), 2).unwrap();
+    let other = m.tokenize(&text.repeat(20), true, false).unwrap();
+    // a chat prompt of 176 tokens: its dense tail starts at 112, inside chunk 1 ([64, 128))
+    let chat = |c: String| {
+        let rendered = m
+            .apply_chat_template(&[ChatMessage::new("user", c)], true)
+            .unwrap();
+        m.tokenize(&rendered, true, true).unwrap()
+    };
+    let prompt = chat(format!("{}The harbour master's count", text.repeat(9)));
+    assert_eq!(prompt.len(), 176);
+    // sequence 1 generates while sequence 0's prompt goes in, one chunk per step
+    p.start_prompt(1, &other, None).unwrap();
+    let mut done = 0;
+    while done < other.len() {
+        done += p.prefill(1, &other[done..], usize::MAX).unwrap();
+    }
+    let mut s1 = Sampler::new(&SamplerConfig::greedy()).unwrap();
+    let mut next1 = p.sample_last(&mut s1);
+    p.start_prompt(0, &prompt, None).unwrap();
+    let mut s0 = Sampler::new(&SamplerConfig::greedy()).unwrap();
+    let mut done = 0;
+    let mut got = Vec::new();
+    let mut next0 = None;
+    while got.len() < N_PREDICT {
+        if done < prompt.len() {
+            done += p.prefill(0, &prompt[done..], 64).unwrap();
+            if done == prompt.len() {
+                next0 = Some(p.sample_last(&mut s0));
+            }
+        }
+        let mut step = vec![(1, next1)];
+        if let Some(t) = next0.take() {
+            got.push(t);
+            step.push((0, t));
+        }
+        p.decode(&step).unwrap();
+        next1 = p.sample_at(&mut s1, 0);
+        if step.len() == 2 {
+            next0 = Some(p.sample_at(&mut s0, 1));
+        }
+    }
+    assert_eq!(got, alone(&prompt, h)[..N_PREDICT.min(got.len())]);
 }

@@ -208,7 +208,19 @@ impl<'m> ParallelSession<'m> {
         h2o: Option<H2oConfig>,
     ) -> Result<usize> {
         self.check_seq(seq)?;
-        self.check_tokens(seq, prompt, 0)?;
+        // the prompt replaces what the sequence holds, so it has the whole context
+        if prompt.len() > self.n_ctx_seq as usize {
+            return Err(Error::PromptTooLong {
+                n_past: 0,
+                n_prompt: prompt.len(),
+                n_predict: 0,
+                n_ctx: self.n_ctx_seq,
+                n_ctx_train: self.model.n_ctx_train(),
+            });
+        }
+        if prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
         let default = self.config.h2o.filter(H2oConfig::is_enabled);
         let want = h2o.filter(H2oConfig::is_enabled).or(default);
         if let (Some(w), Some(d)) = (want, default) {
@@ -240,20 +252,39 @@ impl<'m> ParallelSession<'m> {
     }
 
     /// Evaluates the next call of a prompt's remaining tokens `rest` in sequence `seq`: as many
-    /// as a fresh session's call holds there (up to the next multiple of `n_batch`), with
-    /// next-token logits for the last token of `rest` when this call reaches it (then
-    /// [`ParallelSession::sample_last`] samples it). Returns how many tokens it evaluated.
+    /// as a fresh session's call holds there (up to the next multiple of `n_batch`), at most
+    /// `limit` (a server passes `n_ubatch`, one chunk, while other sequences wait for their next
+    /// token; H2O's state does not depend on how a prompt is split, so only a dense tail is kept
+    /// whole in the last call, as a fresh session has it), with next-token logits for the last token of `rest` when this call
+    /// reaches it (then [`ParallelSession::sample_last`] samples it). Returns how many tokens
+    /// it evaluated.
     ///
     /// # Errors
     /// As [`Session::evaluate`](super::Session::evaluate); a failed call leaves the sequence
     /// empty.
-    pub fn prefill(&mut self, seq: SeqId, rest: &[Token]) -> Result<usize> {
+    pub fn prefill(&mut self, seq: SeqId, rest: &[Token], limit: usize) -> Result<usize> {
         self.check_seq(seq)?;
         self.check_tokens(seq, rest, 0)?;
         let n_batch = self.config.n_batch as usize;
         let start = self.seqs[seq as usize].n_past();
-        let room = n_batch - start as usize % n_batch;
-        let piece = &rest[..rest.len().min(room)];
+        let mut len = rest.len().min((n_batch - start as usize % n_batch).min(limit.max(1)));
+        if let Some(tail_start) = self.dense_tail_start(seq, start as usize + rest.len()) {
+            // the chunk holding the dense tail's start, and the rest of the prompt, go in one
+            // call, as in a fresh session's last call: with the hybrid selection, a chunk split
+            // between a call without logits and the call with the dense tail selects other
+            // memory than a fresh prefill (measured on SmolLM2: other greedy tokens)
+            let s = self.config.n_ubatch as usize;
+            let tail_start = tail_start / s * s;
+            let end = start as usize + len;
+            if end > tail_start && end < start as usize + rest.len() {
+                len = if tail_start > start as usize {
+                    tail_start - start as usize
+                } else {
+                    rest.len()
+                };
+            }
+        }
+        let piece = &rest[..len];
         let last = piece.len() == rest.len();
         self.batch.clear();
         for (i, &t) in piece.iter().enumerate() {
@@ -349,6 +380,18 @@ impl<'m> ParallelSession<'m> {
             let rc = unsafe { sys::llama_h2o_get_seq_info(self.ctx.as_ptr(), seq, &mut info) };
             (rc == sys::LLAMA_H2O_STATUS_OK).then(|| super::h2o::state_from_info(&info))
         }
+    }
+
+    /// Where a fresh session's prefill of a `n`-token prompt starts its dense tail in sequence
+    /// `seq`: the last `dense_tail` positions, within its last call; `None` without one.
+    fn dense_tail_start(&self, seq: SeqId, n: usize) -> Option<usize> {
+        let tail = self.seqs[seq as usize].h2o?.dense_tail as usize;
+        if tail == 0 {
+            return None;
+        }
+        let n_batch = self.config.n_batch as usize;
+        let last_call = (n.max(1) - 1) / n_batch * n_batch;
+        Some(n.saturating_sub(tail).max(last_call))
     }
 
     fn check_seq(&self, seq: SeqId) -> Result<()> {

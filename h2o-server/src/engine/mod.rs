@@ -1,0 +1,220 @@
+//! The engine: one llama.cpp context with `n_parallel` slots (sequences), run on its own thread.
+//! The HTTP layer talks to it only through [`EngineHandle`]: it submits a [`Job`] and reads the
+//! job's [`Event`]s from a channel. Dropping the receiver cancels the job and frees its slot.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use h2o_llama::{ChatMessage, H2oConfig, Selection};
+
+/// What the engine is started with (from the command line).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub model_path: std::path::PathBuf,
+    /// Total context (`-c`), shared by the slots: each slot gets `n_ctx / n_parallel`; 0 = the
+    /// model's training context per slot.
+    pub n_ctx: u32,
+    pub n_parallel: u32,
+    pub n_batch: u32,
+    pub n_ubatch: u32,
+    pub n_threads: u32,
+    pub n_gpu_layers: i32,
+    pub h2o: Option<H2oConfig>,
+    /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
+    pub queue_capacity: usize,
+}
+
+/// Fixed facts about the running engine, for `/v1/models`, `/health` and `/props`.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// The model's file name, as `/v1/models` lists it.
+    pub model_id: String,
+    pub n_parallel: u32,
+    /// Context per slot: the longest prompt + completion one request can have.
+    pub n_ctx_slot: u32,
+    pub n_ubatch: u32,
+    pub h2o: Option<H2oConfig>,
+    /// Unix seconds at start.
+    pub created: u64,
+}
+
+/// The prompt of a job: raw text (`/v1/completions`, `/completion`) or a conversation rendered
+/// with the model's chat template (`/v1/chat/completions`).
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    Text(String),
+    Chat(Vec<ChatMessage>),
+}
+
+/// Sampling settings of one job (validated by the HTTP layer).
+#[derive(Debug, Clone)]
+pub struct Sampling {
+    pub max_tokens: u32,
+    /// <= 0: greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u32,
+    /// Generation stops before the first occurrence of any of these; the text returned ends
+    /// before it.
+    pub stop: Vec<String>,
+}
+
+/// Per-request H2O settings (extra body fields `h2o_select`, `h2o_sink`, `h2o_dense_tail`);
+/// `None` keeps the server's setting. L and H are the server's (`--h2o-local/--h2o-heavy`).
+#[derive(Debug, Clone, Default)]
+pub struct H2oOverrides {
+    pub select: Option<Selection>,
+    pub sink: Option<u32>,
+    pub dense_tail: Option<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub prompt: Prompt,
+    pub sampling: Sampling,
+    pub h2o: H2oOverrides,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End-of-generation token.
+    Stop,
+    /// One of the request's stop strings (OpenAI reports it as "stop").
+    StopWord,
+    /// `max_tokens` reached, or the slot's context is full: a `max_tokens` beyond the room
+    /// left ends here, it is not an error.
+    Length,
+}
+
+impl FinishReason {
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop | Self::StopWord => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// llama-server's `timings` object, plus the H2O figures of the prefill.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct JobTimings {
+    /// Prompt tokens evaluated for this job (those reused from the slot's cache not counted).
+    pub prompt_n: usize,
+    pub prompt_ms: f64,
+    pub prompt_per_token_ms: f64,
+    pub prompt_per_second: f64,
+    pub predicted_n: usize,
+    pub predicted_ms: f64,
+    pub predicted_per_token_ms: f64,
+    pub predicted_per_second: f64,
+    /// Prompt tokens kept from the slot's previous job (prefix reuse).
+    pub cache_n: usize,
+    /// Time from the job's arrival to its first generated token (queueing included).
+    pub ttft_ms: f64,
+    /// H2O: chunks of the prompt, how many of them ran sparse, M = L + H, and the policy; all
+    /// zero / "full" without H2O.
+    pub h2o_chunks: u32,
+    pub h2o_sparse_chunks: u32,
+    pub h2o_memory_size: u32,
+    pub h2o_policy: String,
+}
+
+/// What a job reports, in this order: `Started`, any number of `Token`, then `Done`; or
+/// `Failed` at any point (and nothing after it). The client's errors (`PromptTooLong`,
+/// `EmptyPrompt`, `Template`) always come instead of `Started`.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Started { slot: u32, prompt_tokens: usize },
+    /// A piece of generated text (complete UTF-8; bytes of a split character wait for the rest,
+    /// and text that may begin a stop string waits for the tokens that decide).
+    Token { text: String },
+    Done { finish: FinishReason, completion_tokens: usize, prompt_tokens: usize, timings: JobTimings },
+    Failed(JobError),
+}
+
+/// Why a job failed. `PromptTooLong`, `EmptyPrompt` and `Template` are the client's fault (HTTP
+/// 400); `Engine` is the server's (500); `ShuttingDown` is a 503.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum JobError {
+    #[error("the prompt has {n_prompt} tokens, but a slot's context holds {n_ctx_slot} (prompt + completion): shorten the prompt or start the server with a larger -c")]
+    PromptTooLong { n_prompt: usize, n_ctx_slot: u32 },
+    #[error("the prompt is empty: send at least one token of text")]
+    EmptyPrompt,
+    #[error("{0}")]
+    Template(String),
+    #[error("engine error: {0}")]
+    Engine(String),
+    #[error("the server is shutting down: the request was cancelled")]
+    ShuttingDown,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is busy: {queued} requests are waiting for a slot; retry in {retry_after_s} s")]
+    QueueFull { queued: usize, retry_after_s: u64 },
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// Counters for `/metrics` (Prometheus text), updated by the engine.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub requests_total: AtomicU64,
+    pub requests_failed: AtomicU64,
+    pub requests_cancelled: AtomicU64,
+    pub prompt_tokens_total: AtomicU64,
+    pub generated_tokens_total: AtomicU64,
+    /// Microseconds spent in prompt evaluation / decode steps.
+    pub prefill_us_total: AtomicU64,
+    pub decode_us_total: AtomicU64,
+    pub slots_busy: AtomicU64,
+    pub queue_len: AtomicU64,
+}
+
+impl Metrics {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// The HTTP layer's side of the engine; cheap to clone.
+#[derive(Clone)]
+pub struct EngineHandle {
+    pub(crate) tx: std::sync::mpsc::SyncSender<worker::Command>,
+    pub(crate) info: Arc<EngineInfo>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) queue_capacity: usize,
+    pub(crate) thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+impl EngineHandle {
+    #[must_use]
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    #[must_use]
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Queues a job. Its events arrive on the returned receiver; dropping the receiver cancels
+    /// the job (the engine frees its slot at its next step).
+    ///
+    /// # Errors
+    /// [`SubmitError::QueueFull`] when `queue_capacity` jobs already wait for a slot,
+    /// [`SubmitError::ShuttingDown`] after [`EngineHandle::shutdown`].
+    pub fn submit(&self, job: Job) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, SubmitError> {
+        worker::submit(self, job)
+    }
+
+    /// Stops taking jobs, cancels queued and running ones (their receivers get
+    /// `Failed(ShuttingDown)`), and returns once the engine thread has stopped.
+    pub fn shutdown(&self) {
+        worker::shutdown(self);
+    }
+}
+
+mod worker;
+pub use worker::start;

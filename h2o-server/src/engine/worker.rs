@@ -1,0 +1,651 @@
+//! The engine thread: owns the model and a [`ParallelSession`] with one sequence per slot, takes
+//! jobs from a bounded queue, and runs the slots in steps. A step is one prompt call of one slot
+//! (at most one chunk, `n_ubatch` tokens, while other slots are generating, so that a long
+//! prompt holds their tokens back by one chunk at a time) followed by one decode step of every
+//! generating slot in a single `llama_decode` (continuous batching).
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use h2o_llama::{
+    H2oConfig, Model, ModelParams, ParallelSession, Sampler, SamplerConfig, SessionConfig, Token,
+};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::{
+    EngineConfig, EngineHandle, EngineInfo, Event, FinishReason, Job, JobError, JobTimings,
+    Metrics, Prompt, SubmitError,
+};
+
+pub(crate) enum Command {
+    Submit(Box<Pending>, UnboundedSender<Event>),
+    Shutdown,
+}
+
+/// A job waiting for a slot.
+pub(crate) struct Pending {
+    job: Job,
+    arrived: Instant,
+}
+
+/// Loads the model, creates the context and starts the engine thread; returns once the context
+/// exists (or could not be made).
+///
+/// # Errors
+/// The model or context could not be created, or the parameters are invalid.
+pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
+    if config.n_parallel == 0 {
+        return Err(h2o_llama::Error::InvalidConfig(
+            "-np must be at least 1".into(),
+        ));
+    }
+    let metrics = Arc::new(Metrics::default());
+    let config_queue = config.queue_capacity;
+    // jobs beyond the queue are refused in submit(); the channel has room for them and shutdown
+    let (tx, rx) = std::sync::mpsc::sync_channel(config.queue_capacity + 16);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let thread_metrics = Arc::clone(&metrics);
+    let thread = std::thread::Builder::new()
+        .name("h2o-engine".into())
+        .spawn(move || run(config, rx, thread_metrics, ready_tx))
+        .map_err(|e| h2o_llama::Error::InvalidConfig(format!("cannot start the engine thread: {e}")))?;
+    let info = ready_rx.recv().unwrap_or_else(|_| {
+        Err(h2o_llama::Error::InvalidConfig(
+            "the engine thread stopped while starting".into(),
+        ))
+    })?;
+    Ok(EngineHandle {
+        tx,
+        info: Arc::new(info),
+        metrics,
+        queue_capacity: config_queue,
+        thread: Arc::new(Mutex::new(Some(thread))),
+    })
+}
+
+pub(crate) fn submit(
+    handle: &EngineHandle,
+    job: Job,
+) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, SubmitError> {
+    let capacity = handle.queue_capacity;
+    let queued = handle.metrics.queue_len.fetch_add(1, Ordering::SeqCst) as usize;
+    if queued >= capacity {
+        handle.metrics.queue_len.fetch_sub(1, Ordering::SeqCst);
+        return Err(SubmitError::QueueFull {
+            queued,
+            retry_after_s: 1,
+        });
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let pending = Box::new(Pending {
+        job,
+        arrived: Instant::now(),
+    });
+    match handle.tx.try_send(Command::Submit(pending, tx)) {
+        Ok(()) => Ok(rx),
+        Err(e) => {
+            handle.metrics.queue_len.fetch_sub(1, Ordering::SeqCst);
+            match e {
+                TrySendError::Full(_) => Err(SubmitError::QueueFull {
+                    queued,
+                    retry_after_s: 1,
+                }),
+                TrySendError::Disconnected(_) => Err(SubmitError::ShuttingDown),
+            }
+        }
+    }
+}
+
+pub(crate) fn shutdown(handle: &EngineHandle) {
+    let _ = handle.tx.send(Command::Shutdown);
+    let thread = handle.thread.lock().ok().and_then(|mut t| t.take());
+    if let Some(thread) = thread {
+        let _ = thread.join();
+    }
+}
+
+/// The engine thread: creates the context, reports it, then serves until shutdown.
+fn run(
+    config: EngineConfig,
+    rx: Receiver<Command>,
+    metrics: Arc<Metrics>,
+    ready: std::sync::mpsc::Sender<Result<EngineInfo, h2o_llama::Error>>,
+) {
+    let model = match Model::load(
+        &config.model_path,
+        &ModelParams {
+            n_gpu_layers: config.n_gpu_layers,
+        },
+    ) {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let n_slot_ctx = match config.n_ctx {
+        0 => 0,
+        c => (c / config.n_parallel).max(1),
+    };
+    let session_config = SessionConfig {
+        n_ctx: n_slot_ctx,
+        n_batch: config.n_batch,
+        n_ubatch: config.n_ubatch,
+        n_threads: config.n_threads,
+        h2o: config.h2o,
+        // a slot's next request cuts its sequence back to a chunk boundary inside the prompt
+        h2o_undo_log: config.h2o.is_some_and(|h| h.is_enabled()),
+        ..SessionConfig::default()
+    };
+    let session = match ParallelSession::new(&model, session_config, config.n_parallel) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let info = EngineInfo {
+        model_id: config
+            .model_path
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned()),
+        n_parallel: config.n_parallel,
+        n_ctx_slot: session.n_ctx_seq(),
+        n_ubatch: session.config().n_ubatch,
+        h2o: config.h2o.filter(H2oConfig::is_enabled),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    if ready.send(Ok(info)).is_err() {
+        return;
+    }
+    Engine::new(session, metrics).serve(&rx);
+}
+
+/// Where a slot's job is.
+enum Phase {
+    /// Evaluating `prompt[done..]`.
+    Prompt { done: usize },
+    /// Sampled `next`, which is not in the sequence yet.
+    Generating { next: Token },
+}
+
+/// A job in a slot.
+struct Active {
+    tx: UnboundedSender<Event>,
+    job: Job,
+    prompt: Vec<Token>,
+    kept: usize,
+    phase: Phase,
+    sampler: Sampler,
+    generated: usize,
+    /// Bytes of a character split across tokens, and text held back because it may begin a
+    /// stop string.
+    pending_bytes: Vec<u8>,
+    held: String,
+    arrived: Instant,
+    prefill_start: Instant,
+    first_token: Option<Instant>,
+    prefill_us: u64,
+}
+
+struct Engine<'m> {
+    session: ParallelSession<'m>,
+    metrics: Arc<Metrics>,
+    queue: VecDeque<(Box<Pending>, UnboundedSender<Event>)>,
+    slots: Vec<Option<Active>>,
+    /// The slot whose prompt had the last prompt call (prompt calls go round the slots).
+    last_prompt_slot: usize,
+    shutting_down: bool,
+}
+
+impl<'m> Engine<'m> {
+    fn new(session: ParallelSession<'m>, metrics: Arc<Metrics>) -> Self {
+        let n = session.n_seq() as usize;
+        Self {
+            session,
+            metrics,
+            queue: VecDeque::new(),
+            slots: (0..n).map(|_| None).collect(),
+            last_prompt_slot: n - 1,
+            shutting_down: false,
+        }
+    }
+
+    fn serve(mut self, rx: &Receiver<Command>) {
+        loop {
+            // wait for work when idle; otherwise only take what has arrived
+            let idle = self.queue.is_empty() && self.slots.iter().all(Option::is_none);
+            let first = if idle {
+                match rx.recv_timeout(Duration::from_millis(500)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                None
+            };
+            for command in first.into_iter().chain(rx.try_iter()) {
+                match command {
+                    Command::Submit(p, tx) => self.queue.push_back((p, tx)),
+                    Command::Shutdown => self.shutting_down = true,
+                }
+            }
+            if self.shutting_down {
+                self.cancel_everything();
+                return;
+            }
+            self.drop_cancelled();
+            self.assign_slots();
+            self.step();
+        }
+    }
+
+    /// Ends every queued and running job (shutdown).
+    fn cancel_everything(&mut self) {
+        for (_, tx) in self.queue.drain(..) {
+            self.metrics.queue_len.fetch_sub(1, Ordering::SeqCst);
+            let _ = tx.send(Event::Failed(JobError::ShuttingDown));
+        }
+        for slot in 0..self.slots.len() {
+            if let Some(a) = self.slots[slot].take() {
+                let _ = a.tx.send(Event::Failed(JobError::ShuttingDown));
+                Metrics::add(&self.metrics.requests_cancelled, 1);
+            }
+        }
+        self.metrics.slots_busy.store(0, Ordering::SeqCst);
+    }
+
+    /// Frees the slots (and queue places) of jobs whose client has gone.
+    fn drop_cancelled(&mut self) {
+        let before = self.queue.len();
+        self.queue.retain(|(_, tx)| !tx.is_closed());
+        let gone = before - self.queue.len();
+        if gone > 0 {
+            self.metrics.queue_len.fetch_sub(gone as u64, Ordering::SeqCst);
+            Metrics::add(&self.metrics.requests_cancelled, gone as u64);
+        }
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].as_ref().is_some_and(|a| a.tx.is_closed()) {
+                self.free(slot);
+                Metrics::add(&self.metrics.requests_cancelled, 1);
+            }
+        }
+    }
+
+    fn free(&mut self, slot: usize) {
+        if self.slots[slot].take().is_some() {
+            self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Gives queued jobs the free slots, each the slot whose cached tokens share the longest
+    /// prefix with its prompt (a conversation's next turn finds its previous one).
+    fn assign_slots(&mut self) {
+        while self.slots.iter().any(Option::is_none) {
+            let Some((pending, tx)) = self.queue.pop_front() else {
+                return;
+            };
+            self.metrics.queue_len.fetch_sub(1, Ordering::SeqCst);
+            let prompt = match self.tokenize(&pending.job.prompt) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.fail_unstarted(&tx, e);
+                    continue;
+                }
+            };
+            let slot = self.pick_slot(&prompt);
+            let h2o = self.job_h2o(&pending.job);
+            let kept = match self.session.start_prompt(slot as u32, &prompt, h2o) {
+                Ok(k) => k,
+                Err(h2o_llama::Error::PromptTooLong { n_ctx, .. }) => {
+                    self.fail_unstarted(
+                        &tx,
+                        JobError::PromptTooLong {
+                            n_prompt: prompt.len(),
+                            n_ctx_slot: n_ctx,
+                        },
+                    );
+                    continue;
+                }
+                Err(h2o_llama::Error::EmptyPrompt) => {
+                    self.fail_unstarted(&tx, JobError::EmptyPrompt);
+                    continue;
+                }
+                Err(e) => {
+                    self.fail_unstarted(&tx, JobError::Engine(e.to_string()));
+                    continue;
+                }
+            };
+            let s = &pending.job.sampling;
+            let sampler = match Sampler::new(&SamplerConfig {
+                temperature: s.temperature,
+                top_k: if s.temperature > 0.0 { 40 } else { 0 },
+                top_p: s.top_p,
+                seed: s.seed,
+            }) {
+                Ok(sm) => sm,
+                Err(e) => {
+                    self.fail_unstarted(&tx, JobError::Engine(e.to_string()));
+                    continue;
+                }
+            };
+            let _ = tx.send(Event::Started {
+                slot: slot as u32,
+                prompt_tokens: prompt.len(),
+            });
+            self.metrics.slots_busy.fetch_add(1, Ordering::SeqCst);
+            self.slots[slot] = Some(Active {
+                tx,
+                job: pending.job,
+                phase: Phase::Prompt { done: kept },
+                prompt,
+                kept,
+                sampler,
+                generated: 0,
+                pending_bytes: Vec::new(),
+                held: String::new(),
+                arrived: pending.arrived,
+                prefill_start: Instant::now(),
+                first_token: None,
+                prefill_us: 0,
+            });
+        }
+    }
+
+    fn fail_unstarted(&self, tx: &UnboundedSender<Event>, e: JobError) {
+        Metrics::add(&self.metrics.requests_total, 1);
+        Metrics::add(&self.metrics.requests_failed, 1);
+        let _ = tx.send(Event::Failed(e));
+    }
+
+    fn tokenize(&self, prompt: &Prompt) -> Result<Vec<Token>, JobError> {
+        let model = self.session.model();
+        let text = match prompt {
+            Prompt::Text(t) => t.clone(),
+            Prompt::Chat(messages) => model
+                .apply_chat_template(messages, true)
+                .map_err(|e| JobError::Template(e.to_string()))?,
+        };
+        let tokens = model
+            .tokenize(&text, true, true)
+            .map_err(|e| JobError::Engine(e.to_string()))?;
+        if tokens.is_empty() {
+            return Err(JobError::EmptyPrompt);
+        }
+        let n_ctx_slot = self.session.n_ctx_seq();
+        if tokens.len() > n_ctx_slot as usize {
+            return Err(JobError::PromptTooLong {
+                n_prompt: tokens.len(),
+                n_ctx_slot,
+            });
+        }
+        Ok(tokens)
+    }
+
+    /// The free slot sharing the longest prefix with `prompt` (the lowest such index).
+    fn pick_slot(&self, prompt: &[Token]) -> usize {
+        (0..self.slots.len())
+            .filter(|&s| self.slots[s].is_none())
+            .max_by_key(|&s| {
+                let cached = self.session.tokens(s as u32);
+                let common = cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+                (common, std::cmp::Reverse(s))
+            })
+            .expect("a free slot")
+    }
+
+    /// The memory selection a job asks for (`None`: the server's).
+    fn job_h2o(&self, job: &Job) -> Option<H2oConfig> {
+        let base = self.session.config().h2o.filter(H2oConfig::is_enabled)?;
+        let o = &job.h2o;
+        if o.select.is_none() && o.sink.is_none() && o.dense_tail.is_none() {
+            return None;
+        }
+        Some(H2oConfig {
+            select: o.select.unwrap_or(base.select),
+            sink: o.sink.unwrap_or(base.sink),
+            dense_tail: o.dense_tail.unwrap_or(base.dense_tail),
+            ..base
+        })
+    }
+
+    /// One prompt call of one slot, then one decode step of all generating slots.
+    fn step(&mut self) {
+        let generating = self
+            .slots
+            .iter()
+            .any(|a| matches!(a, Some(Active { phase: Phase::Generating { .. }, .. })));
+        let n = self.slots.len();
+        let next_prompt = (1..=n)
+            .map(|k| (self.last_prompt_slot + k) % n)
+            .find(|&s| matches!(self.slots[s], Some(Active { phase: Phase::Prompt { .. }, .. })));
+        if let Some(slot) = next_prompt {
+            self.last_prompt_slot = slot;
+            // one chunk while others wait for their next token; a whole call otherwise
+            let limit = if generating {
+                self.session.config().n_ubatch as usize
+            } else {
+                usize::MAX
+            };
+            self.prompt_call(slot, limit);
+        }
+        self.decode_step();
+    }
+
+    fn prompt_call(&mut self, slot: usize, limit: usize) {
+        let Some(a) = self.slots[slot].as_mut() else {
+            return;
+        };
+        let Phase::Prompt { done } = a.phase else {
+            return;
+        };
+        let t0 = Instant::now();
+        let result = self.session.prefill(slot as u32, &a.prompt[done..], limit);
+        let a = self.slots[slot].as_mut().expect("active slot");
+        let us = t0.elapsed().as_micros() as u64;
+        a.prefill_us += us;
+        Metrics::add(&self.metrics.prefill_us_total, us);
+        match result {
+            Ok(k) => {
+                Metrics::add(&self.metrics.prompt_tokens_total, k as u64);
+                let done = done + k;
+                if done < a.prompt.len() {
+                    a.phase = Phase::Prompt { done };
+                    return;
+                }
+                a.first_token = Some(Instant::now());
+                if a.job.sampling.max_tokens == 0 {
+                    return self.finish(slot, FinishReason::Length);
+                }
+                let token = self.session.sample_last(&mut a.sampler);
+                self.take_token(slot, token);
+            }
+            Err(e) => self.fail(slot, JobError::Engine(e.to_string())),
+        }
+    }
+
+    /// Decodes the sampled tokens of all generating slots in one `llama_decode`, and samples
+    /// each slot's next.
+    fn decode_step(&mut self) {
+        let step: Vec<(u32, Token)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(s, a)| match a {
+                Some(Active {
+                    phase: Phase::Generating { next },
+                    ..
+                }) => Some((s as u32, *next)),
+                _ => None,
+            })
+            .collect();
+        if step.is_empty() {
+            return;
+        }
+        let t0 = Instant::now();
+        let result = self.session.decode(&step);
+        Metrics::add(&self.metrics.decode_us_total, t0.elapsed().as_micros() as u64);
+        if let Err(e) = result {
+            for &(s, _) in &step {
+                self.fail(s as usize, JobError::Engine(e.to_string()));
+            }
+            return;
+        }
+        for (i, &(s, _)) in step.iter().enumerate() {
+            let a = self.slots[s as usize].as_mut().expect("generating slot");
+            let token = self.session.sample_at(&mut a.sampler, i);
+            self.take_token(s as usize, token);
+        }
+    }
+
+    /// A token sampled for `slot`: ends the job (end of generation, stop string, `max_tokens`,
+    /// a full slot) or sends its text and queues it for the next decode step.
+    fn take_token(&mut self, slot: usize, token: Token) {
+        let model = self.session.model();
+        let n_ctx_slot = self.session.n_ctx_seq() as usize;
+        let n_past = self.session.tokens(slot as u32).len();
+        let a = self.slots[slot].as_mut().expect("active slot");
+        if model.is_end_of_generation(token) {
+            let flushed = std::mem::take(&mut a.held) + &String::from_utf8_lossy(&a.pending_bytes);
+            a.pending_bytes.clear();
+            send_text(a, flushed);
+            return self.finish(slot, FinishReason::Stop);
+        }
+        a.generated += 1;
+        Metrics::add(&self.metrics.generated_tokens_total, 1);
+        a.pending_bytes.extend(model.token_bytes(token, false));
+        let valid = match std::str::from_utf8(&a.pending_bytes) {
+            Ok(s) => s.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(), // incomplete tail: wait
+            Err(_) => a.pending_bytes.len(),                      // invalid: lossy
+        };
+        let piece = String::from_utf8_lossy(&a.pending_bytes[..valid]).into_owned();
+        a.pending_bytes.drain(..valid);
+        a.held.push_str(&piece);
+        let stops = &a.job.sampling.stop;
+        if let Some(at) = stops.iter().filter_map(|s| a.held.find(s.as_str())).min() {
+            let before = a.held[..at].to_string();
+            a.held.clear();
+            send_text(a, before);
+            return self.finish(slot, FinishReason::StopWord);
+        }
+        // hold back a tail that may begin a stop string
+        let keep = stops
+            .iter()
+            .map(|s| partial_stop(&a.held, s))
+            .max()
+            .unwrap_or(0);
+        let out = a.held[..a.held.len() - keep].to_string();
+        a.held.drain(..a.held.len() - keep);
+        send_text(a, out);
+        let limit_reached = a.generated >= a.job.sampling.max_tokens as usize;
+        // the token goes into the sequence at the next decode step: it needs a free cell
+        if limit_reached || n_past >= n_ctx_slot {
+            let rest = std::mem::take(&mut a.held) + &String::from_utf8_lossy(&a.pending_bytes);
+            a.pending_bytes.clear();
+            send_text(a, rest);
+            return self.finish(slot, FinishReason::Length);
+        }
+        a.phase = Phase::Generating { next: token };
+    }
+
+    fn finish(&mut self, slot: usize, finish: FinishReason) {
+        let Some(a) = self.slots[slot].take() else {
+            return;
+        };
+        self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
+        Metrics::add(&self.metrics.requests_total, 1);
+        let timings = self.timings(slot, &a);
+        let _ = a.tx.send(Event::Done {
+            finish,
+            completion_tokens: a.generated,
+            prompt_tokens: a.prompt.len(),
+            timings,
+        });
+    }
+
+    fn fail(&mut self, slot: usize, e: JobError) {
+        if let Some(a) = self.slots[slot].take() {
+            self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
+            Metrics::add(&self.metrics.requests_total, 1);
+            Metrics::add(&self.metrics.requests_failed, 1);
+            let _ = a.tx.send(Event::Failed(e));
+        }
+    }
+
+    /// llama-server's timings of a finished job, and its H2O figures.
+    fn timings(&self, slot: usize, a: &Active) -> JobTimings {
+        let now = Instant::now();
+        let first = a.first_token.unwrap_or(now);
+        let prompt_n = a.prompt.len() - a.kept;
+        let prompt_ms = first.duration_since(a.prefill_start).as_secs_f64() * 1e3;
+        let predicted_n = a.generated;
+        let predicted_ms = now.duration_since(first).as_secs_f64() * 1e3;
+        let per = |n: usize, ms: f64| if n == 0 { 0.0 } else { ms / n as f64 };
+        let rate = |n: usize, ms: f64| if ms <= 0.0 { 0.0 } else { n as f64 * 1e3 / ms };
+        let (h2o_chunks, h2o_sparse_chunks, h2o_memory_size, h2o_policy) =
+            match self.session.h2o(slot as u32) {
+                Some(h) => {
+                    let s = self.session.config().n_ubatch as usize;
+                    let first_chunk = a.kept / s;
+                    let last_chunk = (a.prompt.len() - 1) / s;
+                    let chunks = (last_chunk + 1 - first_chunk) as u32;
+                    // every chunk after the first attends to a memory set, not to all before it
+                    let sparse = (first_chunk.max(1)..=last_chunk).count() as u32;
+                    (chunks, sparse, (h.local + h.heavy), h.select.name().to_string())
+                }
+                None => (0, 0, 0, "full".to_string()),
+            };
+        JobTimings {
+            prompt_n,
+            prompt_ms,
+            prompt_per_token_ms: per(prompt_n, prompt_ms),
+            prompt_per_second: rate(prompt_n, prompt_ms),
+            predicted_n,
+            predicted_ms,
+            predicted_per_token_ms: per(predicted_n, predicted_ms),
+            predicted_per_second: rate(predicted_n.saturating_sub(1), predicted_ms),
+            cache_n: a.kept,
+            ttft_ms: first.duration_since(a.arrived).as_secs_f64() * 1e3,
+            h2o_chunks,
+            h2o_sparse_chunks,
+            h2o_memory_size,
+            h2o_policy,
+        }
+    }
+}
+
+fn send_text(a: &Active, text: String) {
+    if !text.is_empty() {
+        let _ = a.tx.send(Event::Token { text });
+    }
+}
+
+/// The length of the longest suffix of `text` that is a proper prefix of `stop` (text that may
+/// turn into `stop` with the next tokens), on a character boundary.
+fn partial_stop(text: &str, stop: &str) -> usize {
+    (1..stop.len().min(text.len() + 1))
+        .rev()
+        .find(|&k| {
+            text.is_char_boundary(text.len() - k) && stop.is_char_boundary(k) && text.ends_with(&stop[..k])
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::partial_stop;
+
+    #[test]
+    fn partial_stop_finds_the_tail_that_may_begin_a_stop_string() {
+        assert_eq!(partial_stop("hello wor", "world"), 3);
+        assert_eq!(partial_stop("hello", "world"), 0);
+        assert_eq!(partial_stop("abc", "c"), 0, "a whole stop string is not partial");
+        assert_eq!(partial_stop("x\u{e9}", "\u{e9}t"), 2);
+    }
+}

