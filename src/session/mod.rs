@@ -155,6 +155,30 @@ fn unscored_from(h2o: Option<H2oConfig>, start: u32, len: usize, logits: bool) -
     }
 }
 
+/// The checks before `tokens` go after `n_past` tokens into a sequence of `n_ctx` cells: not
+/// empty, room for them, every id in the vocabulary.
+fn check_tokens(model: &Model, n_past: usize, n_ctx: u32, tokens: &[Token]) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    if n_past + tokens.len() > n_ctx as usize {
+        return Err(Error::PromptTooLong {
+            n_past,
+            n_prompt: tokens.len(),
+            n_predict: 0,
+            n_ctx,
+            n_ctx_train: model.n_ctx_train(),
+        });
+    }
+    let vocab = model.n_vocab() as i32;
+    if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t >= vocab) {
+        return Err(Error::Tokenize(format!(
+            "token id {bad} is outside the vocabulary (0..{vocab})"
+        )));
+    }
+    Ok(())
+}
+
 /// llama.cpp's context parameters for `config`, one sequence (checked by
 /// [`SessionConfig::validate`] first).
 fn context_params(config: &SessionConfig) -> sys::llama_context_params {
@@ -438,26 +462,7 @@ impl<'m> Session<'m> {
 
     /// The checks every evaluation makes before touching the cache.
     fn check_prompt(&self, tokens: &[Token]) -> Result<()> {
-        if tokens.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        let total = self.n_past as usize + tokens.len();
-        if total > self.n_ctx as usize {
-            return Err(Error::PromptTooLong {
-                n_past: self.n_past as usize,
-                n_prompt: tokens.len(),
-                n_predict: 0,
-                n_ctx: self.n_ctx,
-                n_ctx_train: self.model.n_ctx_train(),
-            });
-        }
-        let vocab = self.model.n_vocab() as i32;
-        if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t >= vocab) {
-            return Err(Error::Tokenize(format!(
-                "token id {bad} is outside the vocabulary (0..{vocab})"
-            )));
-        }
-        Ok(())
+        check_tokens(self.model, self.n_past as usize, self.n_ctx, tokens)
     }
 
     /// Appends `tokens` like [`Session::evaluate`], and hands the next-token logits after every

@@ -209,18 +209,7 @@ impl<'m> ParallelSession<'m> {
     ) -> Result<usize> {
         self.check_seq(seq)?;
         // the prompt replaces what the sequence holds, so it has the whole context
-        if prompt.len() > self.n_ctx_seq as usize {
-            return Err(Error::PromptTooLong {
-                n_past: 0,
-                n_prompt: prompt.len(),
-                n_predict: 0,
-                n_ctx: self.n_ctx_seq,
-                n_ctx_train: self.model.n_ctx_train(),
-            });
-        }
-        if prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
+        super::check_tokens(self.model, 0, self.n_ctx_seq, prompt)?;
         let default = self.config.h2o.filter(H2oConfig::is_enabled);
         let want = h2o.filter(H2oConfig::is_enabled).or(default);
         if let (Some(w), Some(d)) = (want, default) {
@@ -264,7 +253,7 @@ impl<'m> ParallelSession<'m> {
     /// empty.
     pub fn prefill(&mut self, seq: SeqId, rest: &[Token], limit: usize) -> Result<usize> {
         self.check_seq(seq)?;
-        self.check_tokens(seq, rest, 0)?;
+        self.check_tokens(seq, rest)?;
         let n_batch = self.config.n_batch as usize;
         let start = self.seqs[seq as usize].n_past();
         let mut len = rest.len().min((n_batch - start as usize % n_batch).min(limit.max(1)));
@@ -329,7 +318,7 @@ impl<'m> ParallelSession<'m> {
                     "sequence {seq} appears twice in one decode step"
                 )));
             }
-            self.check_tokens(seq, &[t], 0)?;
+            self.check_tokens(seq, &[t])?;
         }
         self.batch.clear();
         for &(seq, t) in step {
@@ -405,27 +394,10 @@ impl<'m> ParallelSession<'m> {
         }
     }
 
-    fn check_tokens(&self, seq: SeqId, tokens: &[Token], n_predict: usize) -> Result<()> {
-        if tokens.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
+    /// [`super::check_tokens`] for `tokens` appended to sequence `seq`.
+    fn check_tokens(&self, seq: SeqId, tokens: &[Token]) -> Result<()> {
         let n_past = self.seqs[seq as usize].tokens.len();
-        if n_past + tokens.len() + n_predict > self.n_ctx_seq as usize {
-            return Err(Error::PromptTooLong {
-                n_past,
-                n_prompt: tokens.len(),
-                n_predict,
-                n_ctx: self.n_ctx_seq,
-                n_ctx_train: self.model.n_ctx_train(),
-            });
-        }
-        let vocab = self.model.n_vocab() as i32;
-        if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t >= vocab) {
-            return Err(Error::Tokenize(format!(
-                "token id {bad} is outside the vocabulary (0..{vocab})"
-            )));
-        }
-        Ok(())
+        super::check_tokens(self.model, n_past, self.n_ctx_seq, tokens)
     }
 
     /// Sets the memory selection of the empty sequence `seq`.

@@ -374,16 +374,7 @@ impl<'m> Engine<'m> {
         let tokens = model
             .tokenize(&text, true, true)
             .map_err(|e| JobError::Engine(e.to_string()))?;
-        if tokens.is_empty() {
-            return Err(JobError::EmptyPrompt);
-        }
-        let n_ctx_slot = self.session.n_ctx_seq();
-        if tokens.len() > n_ctx_slot as usize {
-            return Err(JobError::PromptTooLong {
-                n_prompt: tokens.len(),
-                n_ctx_slot,
-            });
-        }
+        // empty and too long prompts: ParallelSession::start_prompt checks them
         Ok(tokens)
     }
 
