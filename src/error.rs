@@ -111,6 +111,10 @@ pub enum Error {
     #[error("tokenization failed: {0}")]
     Tokenize(String),
 
+    /// A token id the model's vocabulary does not have (llama.cpp would abort on it).
+    #[error("token id {token} is outside the vocabulary (0..{n_vocab})")]
+    InvalidToken { token: i32, n_vocab: usize },
+
     #[error("chat prompt: {0}")]
     ChatTemplate(String),
 

@@ -276,12 +276,32 @@ impl Model {
         Err(Error::Tokenize("token count changed between calls".into()))
     }
 
+    /// Checks that every token id is in the vocabulary, which llama.cpp assumes (it aborts on
+    /// others).
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] naming the first id outside `0..n_vocab`.
+    pub fn check_tokens(&self, tokens: &[Token]) -> Result<()> {
+        let n_vocab = self.n_vocab();
+        match tokens
+            .iter()
+            .find(|&&t| usize::try_from(t).map_or(true, |t| t >= n_vocab))
+        {
+            Some(&token) => Err(Error::InvalidToken { token, n_vocab }),
+            None => Ok(()),
+        }
+    }
+
     /// The bytes of one token's text (may be a partial UTF-8 sequence).
-    #[must_use]
-    pub fn token_bytes(&self, token: Token, special: bool) -> Vec<u8> {
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] when `token` is not in the vocabulary.
+    pub fn token_bytes(&self, token: Token, special: bool) -> Result<Vec<u8>> {
+        self.check_tokens(&[token])?;
         let mut buf = vec![0u8; 64];
         loop {
-            // SAFETY: buf is writable for its length; llama.cpp writes at most that many bytes.
+            // SAFETY: buf is writable for its length; llama.cpp writes at most that many bytes;
+            // the token is in the vocabulary.
             let n = unsafe {
                 sys::llama_token_to_piece(
                     self.vocab(),
@@ -294,34 +314,40 @@ impl Model {
             };
             if n >= 0 {
                 buf.truncate(n as usize);
-                return buf;
+                return Ok(buf);
             }
             buf.resize((-n) as usize, 0);
         }
     }
 
     /// Converts tokens back to text (special tokens omitted), replacing invalid UTF-8.
-    #[must_use]
-    pub fn detokenize(&self, tokens: &[Token]) -> String {
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`] when a token is not in the vocabulary.
+    pub fn detokenize(&self, tokens: &[Token]) -> Result<String> {
+        self.check_tokens(tokens)?;
+        let n = i32::try_from(tokens.len())
+            .map_err(|_| Error::Tokenize("more than 2^31 tokens to detokenize".into()))?;
         let mut buf = vec![0u8; tokens.len() * 8 + 16];
         loop {
-            // SAFETY: tokens valid for its length; buf writable for its length.
-            let n = unsafe {
+            // SAFETY: tokens valid for its length and in the vocabulary; buf writable for its
+            // length.
+            let written = unsafe {
                 sys::llama_detokenize(
                     self.vocab(),
                     tokens.as_ptr(),
-                    tokens.len() as i32,
+                    n,
                     buf.as_mut_ptr().cast(),
-                    buf.len() as i32,
+                    i32::try_from(buf.len()).unwrap_or(i32::MAX),
                     false,
                     false,
                 )
             };
-            if n >= 0 {
-                buf.truncate(n as usize);
-                return String::from_utf8_lossy(&buf).into_owned();
+            if written >= 0 {
+                buf.truncate(written as usize);
+                return Ok(String::from_utf8_lossy(&buf).into_owned());
             }
-            buf.resize((-n) as usize, 0);
+            buf.resize((-written) as usize, 0);
         }
     }
 }

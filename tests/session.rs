@@ -50,14 +50,28 @@ fn tokenize_detokenize_round_trips() {
     ] {
         let tokens = m.tokenize(text, false, false).unwrap();
         assert!(!tokens.is_empty());
-        assert_eq!(m.detokenize(&tokens), text, "round trip of {text:?}");
+        assert_eq!(m.detokenize(&tokens).unwrap(), text, "round trip of {text:?}");
         // Piece by piece, too (the streaming path).
         let bytes: Vec<u8> = tokens
             .iter()
-            .flat_map(|&t| m.token_bytes(t, false))
+            .flat_map(|&t| m.token_bytes(t, false).unwrap())
             .collect();
         assert_eq!(String::from_utf8(bytes).unwrap(), text);
     }
+}
+
+#[test]
+fn token_ids_outside_the_vocabulary_are_refused_not_aborted_on() {
+    let m = common::model();
+    let n_vocab = m.n_vocab();
+    for bad in [-1, n_vocab as i32, i32::MAX] {
+        assert!(
+            matches!(m.detokenize(&[1, bad]), Err(Error::InvalidToken { token, .. }) if token == bad),
+            "detokenize {bad}"
+        );
+        assert!(matches!(m.token_bytes(bad, false), Err(Error::InvalidToken { .. })));
+    }
+    assert_eq!(m.detokenize(&[]).unwrap(), "");
 }
 
 #[test]
@@ -75,7 +89,7 @@ fn greedy_generation_is_deterministic_across_sessions_and_after_reset() {
     assert_eq!(
         first.len(),
         24,
-        "greedy run stopped early: {}",
+        "greedy run stopped early: {:?}",
         m.detokenize(&first)
     );
     let mut b = Session::new(m, small_config()).unwrap();
@@ -249,7 +263,10 @@ fn empty_and_too_long_prompts_are_clear_errors() {
     // Nothing was evaluated, the session still works.
     assert_eq!(s.n_past(), 0);
     s.evaluate(&long[..100]).unwrap();
-    assert!(matches!(s.evaluate(&[-1]), Err(Error::Tokenize(_))));
+    assert!(matches!(
+        s.evaluate(&[-1]),
+        Err(Error::InvalidToken { token: -1, .. })
+    ));
 }
 
 #[test]

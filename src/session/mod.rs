@@ -170,13 +170,7 @@ fn check_tokens(model: &Model, n_past: usize, n_ctx: u32, tokens: &[Token]) -> R
             n_ctx_train: model.n_ctx_train(),
         });
     }
-    let vocab = model.n_vocab() as i32;
-    if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t >= vocab) {
-        return Err(Error::Tokenize(format!(
-            "token id {bad} is outside the vocabulary (0..{vocab})"
-        )));
-    }
-    Ok(())
+    model.check_tokens(tokens)
 }
 
 /// llama.cpp's context parameters for `config`, one sequence (checked by
@@ -595,7 +589,7 @@ impl<'m> Session<'m> {
                 break;
             }
             tokens.push(token);
-            pending.extend(self.model.token_bytes(token, false));
+            pending.extend(self.model.token_bytes(token, false)?);
             let valid = match std::str::from_utf8(&pending) {
                 Ok(s) => s.len(),
                 Err(e) if e.error_len().is_none() => e.valid_up_to(), // incomplete tail: wait
