@@ -39,6 +39,7 @@ pub mod engine_rule;
 mod error;
 pub mod eval;
 pub mod heavy_hitters;
+pub mod llama_flags;
 mod model;
 pub mod models;
 pub mod reference;

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use h2o_llama::{
-    default_model, demo, models, Error, FlashAttention, Generation, H2oConfig, Model, ModelParams,
-    PromptCache, Sampler, SamplerConfig, Selection, Session, SessionConfig,
+    default_model, demo, llama_flags, models, Error, FlashAttention, Generation, H2oConfig, Model,
+    ModelParams, PromptCache, Sampler, SamplerConfig, Selection, Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
@@ -40,13 +40,6 @@ Examples:
 
 Exit codes: 0 ok, 2 bad flags, 3 bad input or parameters, 4 model problem,
 5 llama.cpp failure, 130 interrupted.";
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum OnOffAuto {
-    On,
-    Off,
-    Auto,
-}
 
 /// Run a prompt with llama.cpp, optionally with H2O chunked sparse prefill.
 #[derive(Parser, Debug)]
@@ -83,9 +76,9 @@ struct Cli {
     /// CPU threads [default: all cores]
     #[arg(short = 't', long)]
     threads: Option<u32>,
-    /// Flash attention (-fa)
-    #[arg(long = "flash-attn", value_enum, default_value = "auto")]
-    flash_attn: OnOffAuto,
+    /// Flash attention (-fa): on, off or auto
+    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
+    flash_attn: FlashAttention,
     /// Layers to offload to the GPU (-ngl), with a CUDA build
     #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
     n_gpu_layers: i32,
@@ -216,28 +209,6 @@ enum Command {
     Eval(eval::EvalArgs),
 }
 
-/// llama.cpp spells some flags with a multi-letter single dash (`-ub`, `-fa`, `-ngl`), which
-/// clap cannot declare; map them to the long forms users would otherwise have to learn.
-fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
-    args.map(|a| {
-        let (flag, rest) = match a.split_once('=') {
-            Some((f, r)) => (f.to_string(), Some(r.to_string())),
-            None => (a.clone(), None),
-        };
-        let long = match flag.as_str() {
-            "-ub" => "--ubatch-size",
-            "-fa" => "--flash-attn",
-            "-ngl" => "--n-gpu-layers",
-            _ => return a,
-        };
-        match rest {
-            Some(r) => format!("{long}={r}"),
-            None => long.to_string(),
-        }
-    })
-    .collect()
-}
-
 #[derive(serde::Serialize)]
 struct Record<'a> {
     model: String,
@@ -266,8 +237,11 @@ struct Record<'a> {
     text: &'a str,
 }
 
+/// The llama.cpp multi-letter flags h2o-cli takes (clap cannot declare them).
+const LLAMA_FLAGS: &[&str] = &["-ub", "-fa", "-ngl"];
+
 fn main() -> ExitCode {
-    let cli = Cli::parse_from(normalise_args(std::env::args()));
+    let cli = Cli::parse_from(llama_flags::expand(std::env::args(), LLAMA_FLAGS));
     let interrupt = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupt.clone();
@@ -385,11 +359,7 @@ fn session_config(cli: &Cli) -> Result<SessionConfig> {
         n_batch: cli.batch_size,
         n_ubatch: cli.ubatch_size,
         n_threads: cli.threads.unwrap_or(SessionConfig::default().n_threads),
-        flash_attn: match cli.flash_attn {
-            OnOffAuto::On => FlashAttention::On,
-            OnOffAuto::Off => FlashAttention::Off,
-            OnOffAuto::Auto => FlashAttention::Auto,
-        },
+        flash_attn: cli.flash_attn,
         h2o: h2o.is_enabled().then_some(h2o),
         ..SessionConfig::default()
     })

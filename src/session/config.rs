@@ -144,6 +144,39 @@ pub enum FlashAttention {
     Off,
 }
 
+impl FlashAttention {
+    /// llama.cpp's spelling (`-fa on|off|auto`).
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
+}
+
+impl std::fmt::Display for FlashAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for FlashAttention {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        [Self::On, Self::Off, Self::Auto]
+            .into_iter()
+            .find(|fa| fa.name() == s)
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "unknown flash attention setting {s:?}: use on, off or auto"
+                ))
+            })
+    }
+}
+
 /// Context parameters. Defaults follow llama.cpp's (`n_ctx` 0 = the model's training context).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct SessionConfig {
