@@ -16,6 +16,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use h2o_llama::Token;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -37,6 +38,15 @@ pub trait Engine: Send + Sync + 'static {
     fn submit(&self, job: Job) -> Result<UnboundedReceiver<Event>, SubmitError>;
     fn info(&self) -> &EngineInfo;
     fn metrics(&self) -> &Metrics;
+    /// # Errors
+    /// As [`EngineHandle::tokenize`].
+    fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>, h2o_llama::Error>;
+    /// # Errors
+    /// As [`EngineHandle::token_piece`].
+    fn token_piece(&self, token: Token) -> Result<Vec<u8>, h2o_llama::Error>;
+    /// # Errors
+    /// As [`EngineHandle::detokenize`].
+    fn detokenize(&self, tokens: &[Token]) -> Result<String, h2o_llama::Error>;
 }
 
 impl Engine for EngineHandle {
@@ -50,6 +60,18 @@ impl Engine for EngineHandle {
 
     fn metrics(&self) -> &Metrics {
         EngineHandle::metrics(self)
+    }
+
+    fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>, h2o_llama::Error> {
+        EngineHandle::tokenize(self, text, add_special, parse_special)
+    }
+
+    fn token_piece(&self, token: Token) -> Result<Vec<u8>, h2o_llama::Error> {
+        EngineHandle::token_piece(self, token)
+    }
+
+    fn detokenize(&self, tokens: &[Token]) -> Result<String, h2o_llama::Error> {
+        EngineHandle::detokenize(self, tokens)
     }
 }
 
@@ -90,6 +112,8 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/props", get(props))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .fallback(not_found)
         // after the routes: it applies to those registered so far
         .method_not_allowed_fallback(method_not_allowed)
@@ -270,7 +294,9 @@ pub fn parse_json<T: Body>(bytes: &[u8]) -> Result<T, ApiError> {
         ));
     }
     let mut body: T = fields(value.clone())?;
-    *body.common_mut() = fields(value)?;
+    if let Some(common) = body.common_mut() {
+        *common = fields(value)?;
+    }
     Ok(body)
 }
 
@@ -593,6 +619,7 @@ async fn props(State(state): State<Shared>) -> Json<serde_json::Value> {
         "total_slots": info.n_parallel,
         "default_generation_settings": { "n_ctx": info.n_ctx_slot },
         "n_ubatch": info.n_ubatch,
+        "flash_attn": info.flash_attn.name(),
         "h2o": info.h2o,
         "build_info": format!("h2o-server {} (llama.cpp from llama-cpp-sys-2 {})", env!("CARGO_PKG_VERSION"), h2o_llama::UPSTREAM_VERSION),
     }))
@@ -610,7 +637,8 @@ async fn metrics_text(State(state): State<Shared>) -> Response {
 async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
     ApiError::not_found(format!(
         "no endpoint {method} {}: this server has POST /v1/chat/completions, POST /v1/completions, \
-         POST /completion, GET /v1/models, GET /health, GET /metrics and GET /props",
+         POST /completion, POST /tokenize, POST /detokenize, GET /v1/models, GET /health, \
+         GET /metrics and GET /props",
         uri.path()
     ))
 }
@@ -618,6 +646,8 @@ async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
 async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
     ApiError::method_not_allowed(format!("{} does not take {method}", uri.path()))
 }
+
+mod tokens;
 
 #[cfg(test)]
 mod tests;

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use h2o_llama::{default_model, models, Error, H2oConfig, Selection, SessionConfig};
+use h2o_llama::{
+    default_model, llama_flags, models, Error, FlashAttention, H2oConfig, Selection, SessionConfig,
+};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
@@ -73,6 +75,11 @@ struct Cli {
     /// CPU threads [default: all cores]
     #[arg(short = 't', long, value_name = "N")]
     threads: Option<u32>,
+    /// Flash attention (-fa): on, off or auto. Auto is off with more than one slot: llama.cpp's
+    /// CPU kernel gives a slot's decode step among others slightly other logits than alone, so
+    /// that a request's greedy answer could depend on its neighbours
+    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
+    flash_attn: FlashAttention,
     /// Layers to offload to the GPU (-ngl), with a CUDA build
     #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
     n_gpu_layers: i32,
@@ -130,30 +137,11 @@ struct Cli {
     verbose: bool,
 }
 
-/// llama.cpp spells some flags with a multi-letter single dash (`-np`, `-ub`, `-ngl`), which
-/// clap cannot declare; map them to the long forms (as h2o-cli does).
-fn normalise_args(args: impl Iterator<Item = String>) -> Vec<String> {
-    args.map(|a| {
-        let (flag, rest) = match a.split_once('=') {
-            Some((f, r)) => (f.to_string(), Some(r.to_string())),
-            None => (a.clone(), None),
-        };
-        let long = match flag.as_str() {
-            "-np" => "--parallel",
-            "-ub" => "--ubatch-size",
-            "-ngl" => "--n-gpu-layers",
-            _ => return a,
-        };
-        match rest {
-            Some(r) => format!("{long}={r}"),
-            None => long.to_string(),
-        }
-    })
-    .collect()
-}
+/// The llama-server multi-letter flags h2o-server takes (clap cannot declare them).
+const LLAMA_FLAGS: &[&str] = &["-np", "-ub", "-fa", "-ngl"];
 
 fn main() -> ExitCode {
-    let cli = Cli::parse_from(normalise_args(std::env::args()));
+    let cli = Cli::parse_from(llama_flags::expand(std::env::args(), LLAMA_FLAGS));
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -282,6 +270,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_batch: cli.batch_size,
         n_ubatch: cli.ubatch_size,
         n_threads,
+        flash_attn: cli.flash_attn,
         n_gpu_layers: cli.n_gpu_layers,
         h2o,
         queue_capacity: cli.queue,
@@ -355,6 +344,13 @@ async fn run(cli: Cli) -> Result<()> {
         return Ok(());
     }
     print_setup(&engine, &cli);
+    if engine.info().flash_attn == FlashAttention::On && engine.info().n_parallel > 1 {
+        eprintln!(
+            "h2o-server: note: -fa on with -np > 1: a slot's decode steps among other slots' get \
+             slightly other logits than alone (llama.cpp's CPU flash-attention kernel), so a \
+             greedy answer may depend on the requests beside it; -fa auto avoids it"
+        );
+    }
 
     let state = Arc::new(http::AppState::new(
         Arc::new(engine.clone()),
@@ -411,13 +407,14 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
         _ => "full attention".into(),
     };
     eprintln!(
-        "h2o-server: {} | {} slot{} x {} tokens | -b {} -ub {} | {attention} | queue {}{}",
+        "h2o-server: {} | {} slot{} x {} tokens | -b {} -ub {} -fa {} | {attention} | queue {}{}",
         info.model_id,
         info.n_parallel,
         if info.n_parallel == 1 { "" } else { "s" },
         info.n_ctx_slot,
         cli.batch_size,
         info.n_ubatch,
+        info.flash_attn,
         cli.queue,
         if cli.api_key.is_some() {
             " | API key required"
@@ -435,7 +432,7 @@ mod tests {
         let argv = std::iter::once("h2o-server")
             .chain(args.iter().copied())
             .map(String::from);
-        Cli::try_parse_from(normalise_args(argv)).unwrap()
+        Cli::try_parse_from(llama_flags::expand(argv, LLAMA_FLAGS)).unwrap()
     }
 
     #[test]

@@ -121,6 +121,7 @@ mod tests {
             n_parallel: 4,
             n_ctx_slot: 512,
             n_ubatch: 64,
+            flash_attn: h2o_llama::FlashAttention::Off,
             h2o: None,
             created: 0,
         };

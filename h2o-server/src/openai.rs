@@ -109,26 +109,29 @@ pub struct Common {
     pub h2o_dense_tail: Option<i64>,
 }
 
-/// A request body: its own fields, and the [`Common`] ones.
+/// A request body: its own fields, and for the generation endpoints the [`Common`] ones.
 pub trait Body: serde::de::DeserializeOwned {
-    fn common_mut(&mut self) -> &mut Common;
+    /// Where the common fields go; `None` for bodies without them.
+    fn common_mut(&mut self) -> Option<&mut Common> {
+        None
+    }
 }
 
 impl Body for ChatRequest {
-    fn common_mut(&mut self) -> &mut Common {
-        &mut self.common
+    fn common_mut(&mut self) -> Option<&mut Common> {
+        Some(&mut self.common)
     }
 }
 
 impl Body for CompletionRequest {
-    fn common_mut(&mut self) -> &mut Common {
-        &mut self.common
+    fn common_mut(&mut self) -> Option<&mut Common> {
+        Some(&mut self.common)
     }
 }
 
 impl Body for LlamaCompletionRequest {
-    fn common_mut(&mut self) -> &mut Common {
-        &mut self.common
+    fn common_mut(&mut self) -> Option<&mut Common> {
+        Some(&mut self.common)
     }
 }
 
@@ -321,7 +324,7 @@ fn prompt_text(v: &Value) -> Result<String, ApiError> {
 }
 
 /// llama.cpp's tokenizer takes C strings: a NUL would cut the text short without a word.
-fn check_nul(param: &str, text: &str) -> Result<(), ApiError> {
+pub fn check_nul(param: &str, text: &str) -> Result<(), ApiError> {
     match text.find('\0') {
         Some(at) => Err(ApiError::field(
             param,
@@ -693,6 +696,7 @@ mod tests {
             n_parallel: 2,
             n_ctx_slot: 512,
             n_ubatch: 64,
+            flash_attn: h2o_llama::FlashAttention::Off,
             h2o: h2o.then(|| h2o_llama::H2oConfig::new(16, 16)),
             created: 0,
         }

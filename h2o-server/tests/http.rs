@@ -206,6 +206,13 @@ fn read_sse(r: Response, limit: usize) -> (Vec<String>, BufReader<Response>) {
     (events, reader)
 }
 
+/// The prompt's tokens as `/tokenize` gives them by default (no BOS).
+fn tokenized_without_bos(server: &Server, text: &str) -> Value {
+    let (status, v) = post(server, "/tokenize", &json!({"content": text}));
+    assert_eq!(status, 200, "{v}");
+    v["tokens"].clone()
+}
+
 fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ok() {
@@ -349,6 +356,23 @@ fn chat_completions_and_completion_answer_in_their_shapes() {
     );
     let evaluated = llama["tokens_evaluated"].as_u64().unwrap();
     assert!(evaluated > 380, "{llama}");
+    // /tokenize counts a prompt as the engine does (with BOS, as completions add it), and
+    // /detokenize gives the text back
+    let (status, tokenized) = post(
+        &server,
+        "/tokenize",
+        &json!({"content": prompt, "add_special": true}),
+    );
+    assert_eq!(status, 200, "{tokenized}");
+    let tokens = tokenized["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len() as u64, evaluated);
+    let (status, text) = post(
+        &server,
+        "/detokenize",
+        &json!({"tokens": tokenized_without_bos(&server, &prompt)}),
+    );
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(text["content"], prompt.as_str());
     assert!(llama["tokens_predicted"].as_u64().unwrap() <= 8);
     let t = &llama["timings"];
     for field in [

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use h2o_llama::{ChatMessage, H2oConfig, Selection};
+use h2o_llama::{ChatMessage, FlashAttention, H2oConfig, Model, Selection, Token};
 
 /// What the engine is started with (from the command line).
 #[derive(Debug, Clone)]
@@ -18,6 +18,7 @@ pub struct EngineConfig {
     pub n_batch: u32,
     pub n_ubatch: u32,
     pub n_threads: u32,
+    pub flash_attn: FlashAttention,
     pub n_gpu_layers: i32,
     pub h2o: Option<H2oConfig>,
     /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
@@ -33,6 +34,8 @@ pub struct EngineInfo {
     /// Context per slot: the longest prompt + completion one request can have.
     pub n_ctx_slot: u32,
     pub n_ubatch: u32,
+    /// Flash attention in effect (auto is off with more than one slot).
+    pub flash_attn: FlashAttention,
     pub h2o: Option<H2oConfig>,
     /// Unix seconds at start.
     pub created: u64,
@@ -182,6 +185,9 @@ impl Metrics {
 #[derive(Clone)]
 pub struct EngineHandle {
     pub(crate) tx: std::sync::mpsc::SyncSender<worker::Command>,
+    /// The engine's model, for tokenizing outside the engine thread (llama.cpp's vocabulary is
+    /// read-only once loaded).
+    pub(crate) model: Arc<Model>,
     pub(crate) info: Arc<EngineInfo>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) queue_capacity: usize,
@@ -197,6 +203,30 @@ impl EngineHandle {
     #[must_use]
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// The model's tokens for `text` (llama-server's `/tokenize`).
+    ///
+    /// # Errors
+    /// The text has a NUL byte, or llama.cpp cannot tokenize it.
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>, h2o_llama::Error> {
+        self.model.tokenize(text, add_special, parse_special)
+    }
+
+    /// The bytes of one token's text, special tokens included (`/tokenize` with pieces).
+    ///
+    /// # Errors
+    /// The token is not in the vocabulary.
+    pub fn token_piece(&self, token: Token) -> Result<Vec<u8>, h2o_llama::Error> {
+        self.model.token_bytes(token, true)
+    }
+
+    /// The text of `tokens` (`/detokenize`).
+    ///
+    /// # Errors
+    /// A token is not in the vocabulary.
+    pub fn detokenize(&self, tokens: &[Token]) -> Result<String, h2o_llama::Error> {
+        self.model.detokenize(tokens)
     }
 
     /// Queues a job. Its events arrive on the returned receiver; dropping the receiver cancels

@@ -1,8 +1,8 @@
 //! The engine thread: owns the model and a [`ParallelSession`] with one sequence per slot, takes
-//! jobs from a bounded queue, and runs the slots in steps. A step is one prompt call of one slot
-//! (at most one chunk, `n_ubatch` tokens, while other slots are generating, so that a long
-//! prompt holds their tokens back by one chunk at a time) followed by one decode step of every
-//! generating slot in a single `llama_decode` (continuous batching).
+//! jobs from a bounded queue, and runs the slots in steps. A step is one prompt call of the slot
+//! whose job came first (at most one chunk, `n_ubatch` tokens, while other slots are generating,
+//! so that a long prompt holds their tokens back by one chunk at a time) followed by one decode
+//! step of every generating slot in a single `llama_decode` (continuous batching).
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -42,15 +42,23 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
             "-np must be at least 1".into(),
         ));
     }
+    // shared with the HTTP layer, which tokenizes for /tokenize without waiting for a step
+    let model = Arc::new(Model::load(
+        &config.model_path,
+        &ModelParams {
+            n_gpu_layers: config.n_gpu_layers,
+        },
+    )?);
     let metrics = Arc::new(Metrics::default());
     let config_queue = config.queue_capacity;
     // jobs beyond the queue are refused in submit(); the channel has room for them and shutdown
     let (tx, rx) = std::sync::mpsc::sync_channel(config.queue_capacity + 16);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread_metrics = Arc::clone(&metrics);
+    let thread_model = Arc::clone(&model);
     let thread = std::thread::Builder::new()
         .name("h2o-engine".into())
-        .spawn(move || run(config, rx, thread_metrics, ready_tx))
+        .spawn(move || run(&thread_model, config, rx, thread_metrics, ready_tx))
         .map_err(|e| h2o_llama::Error::InvalidConfig(format!("cannot start the engine thread: {e}")))?;
     let info = ready_rx.recv().unwrap_or_else(|_| {
         Err(h2o_llama::Error::InvalidConfig(
@@ -59,6 +67,7 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
     })?;
     Ok(EngineHandle {
         tx,
+        model,
         info: Arc::new(info),
         metrics,
         queue_capacity: config_queue,
@@ -109,23 +118,12 @@ pub(crate) fn shutdown(handle: &EngineHandle) {
 
 /// The engine thread: creates the context, reports it, then serves until shutdown.
 fn run(
+    model: &Model,
     config: EngineConfig,
     rx: Receiver<Command>,
     metrics: Arc<Metrics>,
     ready: std::sync::mpsc::Sender<Result<EngineInfo, h2o_llama::Error>>,
 ) {
-    let model = match Model::load(
-        &config.model_path,
-        &ModelParams {
-            n_gpu_layers: config.n_gpu_layers,
-        },
-    ) {
-        Ok(m) => m,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
     let n_slot_ctx = match config.n_ctx {
         0 => 0,
         c => (c / config.n_parallel).max(1),
@@ -135,12 +133,13 @@ fn run(
         n_batch: config.n_batch,
         n_ubatch: config.n_ubatch,
         n_threads: config.n_threads,
+        flash_attn: config.flash_attn,
         h2o: config.h2o,
         // a slot's next request cuts its sequence back to a chunk boundary inside the prompt
         h2o_undo_log: config.h2o.is_some_and(|h| h.is_enabled()),
         ..SessionConfig::default()
     };
-    let session = match ParallelSession::new(&model, session_config, config.n_parallel) {
+    let session = match ParallelSession::new(model, session_config, config.n_parallel) {
         Ok(s) => s,
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -155,6 +154,7 @@ fn run(
         n_parallel: config.n_parallel,
         n_ctx_slot: session.n_ctx_seq(),
         n_ubatch: session.config().n_ubatch,
+        flash_attn: session.config().flash_attn,
         h2o: config.h2o.filter(H2oConfig::is_enabled),
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -198,8 +198,6 @@ struct Engine<'m> {
     metrics: Arc<Metrics>,
     queue: VecDeque<(Box<Pending>, UnboundedSender<Event>)>,
     slots: Vec<Option<Active>>,
-    /// The slot whose prompt had the last prompt call (prompt calls go round the slots).
-    last_prompt_slot: usize,
     shutting_down: bool,
 }
 
@@ -211,7 +209,6 @@ impl<'m> Engine<'m> {
             metrics,
             queue: VecDeque::new(),
             slots: (0..n).map(|_| None).collect(),
-            last_prompt_slot: n - 1,
             shutting_down: false,
         }
     }
@@ -411,12 +408,17 @@ impl<'m> Engine<'m> {
             .slots
             .iter()
             .any(|a| matches!(a, Some(Active { phase: Phase::Generating { .. }, .. })));
-        let n = self.slots.len();
-        let next_prompt = (1..=n)
-            .map(|k| (self.last_prompt_slot + k) % n)
-            .find(|&s| matches!(self.slots[s], Some(Active { phase: Phase::Prompt { .. }, .. })));
+        // prompts first come, first served: finishing the oldest prompt before the next one
+        // starts gives each its first token as early as the ones ahead allow (taking turns
+        // would hold every prompt back until the last of them is done)
+        let next_prompt = (0..self.slots.len())
+            .filter_map(|s| match &self.slots[s] {
+                Some(a @ Active { phase: Phase::Prompt { .. }, .. }) => Some((a.arrived, s)),
+                _ => None,
+            })
+            .min()
+            .map(|(_, s)| s);
         if let Some(slot) = next_prompt {
-            self.last_prompt_slot = slot;
             // one chunk while others wait for their next token; a whole call otherwise
             let limit = if generating {
                 self.session.config().n_ubatch as usize
@@ -509,7 +511,10 @@ impl<'m> Engine<'m> {
         }
         a.generated += 1;
         Metrics::add(&self.metrics.generated_tokens_total, 1);
-        a.pending_bytes.extend(model.token_bytes(token, false));
+        match model.token_bytes(token, false) {
+            Ok(bytes) => a.pending_bytes.extend(bytes),
+            Err(e) => return self.fail(slot, JobError::Engine(e.to_string())),
+        }
         let valid = match std::str::from_utf8(&a.pending_bytes) {
             Ok(s) => s.len(),
             Err(e) if e.error_len().is_none() => e.valid_up_to(), // incomplete tail: wait

@@ -38,6 +38,7 @@ impl Fake {
                 n_parallel: 2,
                 n_ctx_slot: 512,
                 n_ubatch: 64,
+                flash_attn: h2o_llama::FlashAttention::Off,
                 h2o: Some(h2o_llama::H2oConfig::new(16, 16)),
                 created: 1_700_000_000,
             },
@@ -163,6 +164,25 @@ impl Engine for Fake {
 
     fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// A byte tokenizer: token = byte, vocabulary 0..256.
+    fn tokenize(&self, text: &str, _: bool, _: bool) -> Result<Vec<h2o_llama::Token>, h2o_llama::Error> {
+        Ok(text.bytes().map(h2o_llama::Token::from).collect())
+    }
+
+    fn token_piece(&self, token: h2o_llama::Token) -> Result<Vec<u8>, h2o_llama::Error> {
+        u8::try_from(token)
+            .map(|b| vec![b])
+            .map_err(|_| h2o_llama::Error::InvalidToken { token, n_vocab: 256 })
+    }
+
+    fn detokenize(&self, tokens: &[h2o_llama::Token]) -> Result<String, h2o_llama::Error> {
+        let bytes = tokens
+            .iter()
+            .map(|&t| self.token_piece(t).map(|b| b[0]))
+            .collect::<Result<Vec<u8>, _>>()?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 }
 
@@ -855,4 +875,43 @@ async fn request_fields_reach_the_job() {
     assert_eq!(job.h2o.select, Some(h2o_llama::Selection::Query));
     assert_eq!(job.h2o.sink, Some(2));
     assert_eq!(job.h2o.dense_tail, Some(32));
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_answer_as_llama_server_does() {
+    let s = serve(8, None, 1 << 20).await;
+    let (status, body) = s.post_json("/tokenize", &json!({"content": "hé"})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, json!({"tokens": [104, 195, 169]}));
+    // pieces: whole UTF-8 as a string, a split character as its bytes
+    let (_, body) = s
+        .post_json("/tokenize", &json!({"content": "hé", "with_pieces": true}))
+        .await;
+    assert_eq!(
+        body["tokens"],
+        json!([{"id": 104, "piece": "h"}, {"id": 195, "piece": [195]}, {"id": 169, "piece": [169]}])
+    );
+    let (status, body) = s
+        .post_json("/detokenize", &json!({"tokens": [104, 195, 169]}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, json!({"content": "hé"}));
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_refuse_bad_bodies_with_400s() {
+    let s = serve(8, None, 1 << 20).await;
+    let cases = [
+        ("/tokenize", json!({}), "content"),
+        ("/tokenize", json!({"content": 5}), "content"),
+        ("/tokenize", json!({"content": "a\u{0}b"}), "content"),
+        ("/detokenize", json!({"tokens": [1, 256]}), "tokens"),
+        ("/detokenize", json!({"tokens": "abc"}), "tokens"),
+        ("/detokenize", json!({"tokens": [-1]}), "tokens"),
+    ];
+    for (path, body, param) in cases {
+        let (status, answer) = s.post_json(path, &body).await;
+        assert_error(status, &answer, StatusCode::BAD_REQUEST, "invalid_request_error");
+        assert_eq!(answer["error"]["param"], param, "{path} {body}: {answer}");
+    }
 }
