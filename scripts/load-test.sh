@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Load test of h2o-server: concurrent streaming clients with long prompts, each run twice, once
-# with H2O sparse prefill and once with full attention, on a fresh server each time. Reports per
+# Load test of h2o-server: concurrent streaming clients with long prompts, each workload run with
+# H2O sparse prefill, with full attention, and with full attention and flash attention on (which
+# -fa auto leaves off with several slots), on a fresh server each time. Reports per
 # run: requests ok/failed, time to first token (first streamed text) p50/p99, generated and
 # prompt tokens per second, and the server's resident memory (VmRSS, sampled every second) after
 # warm-up, to show whether it stays flat. Prints a markdown table; the raw records (every request,
@@ -9,8 +10,9 @@
 # Two workloads (LOAD_MODES, both by default):
 #   mixed  CONCURRENCY clients (16) for DURATION seconds (120), prompts of MIN_PROMPT..MAX_PROMPT
 #          tokens (1024..6144), uniformly drawn
-#   ttft   TTFT_CONCURRENCY clients (4) for TTFT_DURATION seconds (60), prompts of TTFT_PROMPT
-#          tokens (4096): the time-to-first-token comparison of H2O and full attention
+#   ttft   TTFT_ROUNDS rounds (3) of TTFT_CONCURRENCY requests (4) sent at the same moment,
+#          prompts of TTFT_PROMPT tokens (4096), each round once the last one has ended: the
+#          time-to-first-token comparison of H2O and full attention, both seeing the same arrivals
 #
 #   scripts/load-test.sh                                  # both workloads, default model
 #   DURATION=30 CONCURRENCY=4 LOAD_MODES=mixed scripts/load-test.sh
@@ -21,10 +23,12 @@
 # default MAX_PROMPT + GEN_TOKENS rounded up to 1024), GEN_TOKENS (64 per request), UB (1024),
 # B (4096), H2O_FLAGS ("--h2o-local 256 --h2o-heavy 256"), TEXT_FILE (prompt text; default a
 # generated ledger), WARMUP (seconds of warm-up excluded from the memory verdict, default a quarter
-# of the run), OUT_DIR (target/load-test). Arguments go to every h2o-server run.
+# of the duration, or the first round), ATTENTIONS (the runs: "h2o full full-fa"), OUT_DIR
+# (target/load-test). Arguments go to every h2o-server run.
 #
-# Prompts differ from their first token (a request number and nonce, then text from a random
-# offset), so no run is helped by a slot's cached prefix.
+# Prompts have the drawn number of tokens exactly (cut with the server's /tokenize and
+# /detokenize) and differ from their first token (a request number and nonce, then text from a
+# random offset), so no run is helped by a slot's cached prefix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +53,13 @@ GEN_TOKENS = int(ENV.get("GEN_TOKENS", "64"))
 UB, B = ENV.get("UB", "1024"), ENV.get("B", "4096")
 H2O_FLAGS = ENV.get("H2O_FLAGS", "--h2o-local 256 --h2o-heavy 256").split()
 OUT_DIR = ENV.get("OUT_DIR", "target/load-test")
+# the server flags of each attention; full-fa is full attention with flash attention forced on,
+# which -fa auto leaves off with several slots (see h2o-server --help)
+ATTENTIONS = {"h2o": H2O_FLAGS, "full": [], "full-fa": ["-fa", "on"]}
+RUNS = ENV.get("ATTENTIONS", "h2o full full-fa").split()
+for a in RUNS:
+    if a not in ATTENTIONS:
+        sys.exit(f"load-test: unknown attention {a!r} in ATTENTIONS: use {', '.join(ATTENTIONS)}")
 REQUEST_TIMEOUT = float(ENV.get("REQUEST_TIMEOUT", "900"))
 
 WORKLOADS = {
@@ -59,7 +70,7 @@ WORKLOADS = {
     ),
     "ttft": dict(
         clients=int(ENV.get("TTFT_CONCURRENCY", "4")),
-        duration=float(ENV.get("TTFT_DURATION", "60")),
+        rounds=int(ENV.get("TTFT_ROUNDS", "3")),
         lengths=(int(ENV.get("TTFT_PROMPT", "4096")),) * 2,
     ),
 }
@@ -140,31 +151,29 @@ def post(base, path, body, timeout=REQUEST_TIMEOUT):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def chars_per_token(base):
-    """The tokenizer's characters per token on this text, measured by the server itself."""
-    with urllib.request.urlopen(base + "/props", timeout=60) as r:
-        n_ctx_slot = json.load(r)["default_generation_settings"]["n_ctx"]
-    # at least one character per token: a sample of n_ctx_slot / 2 characters fits in a slot
-    sample = TEXT[: min(8000, n_ctx_slot // 2)]
+def call(base, path, body):
     try:
-        with post(base, "/completion", {"prompt": sample, "n_predict": 1}) as r:
-            n = json.load(r)["tokens_evaluated"]
+        with post(base, path, body, timeout=120) as r:
+            return json.load(r)
     except urllib.error.HTTPError as e:
-        sys.exit(f"load-test: the server refused the calibration request: HTTP {e.code}: {e.read().decode()}")
-    return len(sample) / n
+        sys.exit(f"load-test: {path} failed: HTTP {e.code}: {e.read().decode()}")
 
 
-def make_prompt(rng, n_tokens, cpt, number):
+def make_prompt(base, rng, n_tokens, number):
+    """A prompt of n_tokens tokens as the server counts them (its /tokenize, BOS included)."""
     head = f"Ledger extract {number} (ref {rng.getrandbits(48):012x}).\n"
     # no question at the end: a model asked one may answer with end-of-text at once, leaving no
     # first token to time; text cut mid-ledger is continued
     tail = "\nDay"
-    n_chars = max(int(n_tokens * cpt) - len(head) - len(tail), 0)
+    fixed = len(call(base, "/tokenize", {"content": head + tail, "add_special": True})["tokens"])
+    # plenty of text (at least one character per token), cut to the tokens that fit
+    n_chars = 8 * n_tokens
     start = rng.randrange(0, max(len(TEXT) - n_chars, 1))
     body = TEXT[start : start + n_chars]
     while len(body) < n_chars:  # a long prompt on a short TEXT_FILE wraps around
         body += "\n" + TEXT[: n_chars - len(body)]
-    return head + body + tail
+    tokens = call(base, "/tokenize", {"content": body})["tokens"][: max(n_tokens - fixed, 0)]
+    return head + call(base, "/detokenize", {"tokens": tokens})["content"] + tail
 
 
 def one_request(base, prompt):
@@ -212,21 +221,21 @@ def percentile(values, p):
 
 def run(workload, attention):
     w = WORKLOADS[workload]
-    clients, duration, (lo, hi) = w["clients"], w["duration"], w["lengths"]
+    clients, (lo, hi) = w["clients"], w["lengths"]
+    duration, rounds = w.get("duration", 0.0), w.get("rounds", 0)
     np_ = int(ENV.get("NP", clients))
     slot_ctx = int(ENV.get("SLOT_CTX", ((hi + GEN_TOKENS + 64 + 1023) // 1024) * 1024))
     args = ["-np", str(np_), "-c", str(slot_ctx * np_), "-ub", UB, "-b", B, "--queue", str(4 * clients)]
-    if attention == "h2o":
-        args += H2O_FLAGS
+    args += ATTENTIONS[attention]
     name = f"{workload}-{attention}"
     server = Server(name, args)
     try:
-        cpt = chars_per_token(server.base)
         rss = []  # (seconds since start, KiB)
         records = []
         lock = threading.Lock()
         t_start = time.monotonic()
         deadline = t_start + duration
+        first_round_s = 0.0
         stop_sampling = threading.Event()
 
         def sample_rss():
@@ -240,20 +249,41 @@ def run(workload, attention):
             rng = random.Random(f"{workload}-{i}")  # the same prompts for both attentions
             n = 0
             while time.monotonic() < deadline:
-                prompt = make_prompt(rng, rng.randint(lo, hi), cpt, f"{i}.{n}")
+                prompt = make_prompt(server.base, rng, rng.randint(lo, hi), f"{i}.{n}")
                 n += 1
                 rec = one_request(server.base, prompt)
                 with lock:
                     records.append(rec)
 
+        def burst(r, i, start):
+            rng = random.Random(f"{workload}-{r}-{i}")
+            prompt = make_prompt(server.base, rng, rng.randint(lo, hi), f"{r}.{i}")
+            start.wait()
+            rec = one_request(server.base, prompt)
+            with lock:
+                records.append(rec)
+
         sampler = threading.Thread(target=sample_rss, daemon=True)
         sampler.start()
-        log(f"{name}: {clients} clients, {duration:.0f} s, prompts {lo}..{hi} tokens, -np {np_}, -c {slot_ctx * np_}")
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if rounds:  # bursts: `clients` requests at once, the next burst when all have ended
+            log(f"{name}: {rounds} rounds of {clients} requests at once, prompts {lo}..{hi} tokens, -np {np_}, -c {slot_ctx * np_}")
+            for r in range(rounds):
+                start = threading.Barrier(clients)
+                threads = [threading.Thread(target=burst, args=(r, i, start)) for i in range(clients)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                log(f"{name}: round {r + 1}/{rounds} done at {time.monotonic() - t_start:.0f} s")
+                if r == 0:
+                    first_round_s = time.monotonic() - t_start
+        else:  # closed loop: each client sends its next request when its last one has ended
+            log(f"{name}: {clients} clients, {duration:.0f} s, prompts {lo}..{hi} tokens, -np {np_}, -c {slot_ctx * np_}")
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         wall = time.monotonic() - t_start
         stop_sampling.set()
         sampler.join()
@@ -265,7 +295,7 @@ def run(workload, attention):
     ttft = [r["ttft"] for r in ok]
     gen = sum(r["completion_tokens"] or 0 for r in ok)
     prompt_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
-    warmup = float(ENV.get("WARMUP", duration / 4))
+    warmup = float(ENV.get("WARMUP", first_round_s if rounds else duration / 4))
     before = [kib for t, kib in rss if t <= warmup]
     after = [kib for t, kib in rss if t > warmup]
     at_warm = before[-1] if before else (after[0] if after else 0)
@@ -297,7 +327,7 @@ results = []
 for workload in MODES:
     if workload not in WORKLOADS:
         sys.exit(f"load-test: unknown workload {workload!r} in LOAD_MODES: use mixed, ttft")
-    for attention in ("h2o", "full"):
+    for attention in RUNS:
         results.append(run(workload, attention))
 
 with open(os.path.join(OUT_DIR, "summary.json"), "w") as f:
@@ -319,8 +349,12 @@ for r in results:
 print()
 for workload in MODES:
     by = {r["attention"]: r for r in results if r["workload"] == workload}
-    h, f = by["h2o"]["ttft_p50_s"], by["full"]["ttft_p50_s"]
-    if h == h and f == f and h > 0:  # not NaN
-        print(f"{workload}: TTFT p50 H2O {h:.2f} s vs full attention {f:.2f} s: {f / h:.2f}x")
+    if "h2o" not in by:
+        continue
+    h = by["h2o"]["ttft_p50_s"]
+    for other in ("full", "full-fa"):
+        f = by[other]["ttft_p50_s"] if other in by else float("nan")
+        if h == h and f == f and h > 0:  # not NaN
+            print(f"{workload}: TTFT p50 H2O {h:.2f} s vs {other} {f:.2f} s: {f / h:.2f}x")
 print(f"\nRaw records: {OUT_DIR}/ (flat = RSS grows less than max(5%, 32 MiB) after the warm-up)")
 PY
