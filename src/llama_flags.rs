@@ -69,7 +69,16 @@ mod tests {
         );
         assert_eq!(
             out,
-            strings(&["prog", "--ubatch-size", "64", "--parallel=2", "--n-gpu-layers", "9", "-b", "128"])
+            strings(&[
+                "prog",
+                "--ubatch-size",
+                "64",
+                "--parallel=2",
+                "--n-gpu-layers",
+                "9",
+                "-b",
+                "128"
+            ])
         );
     }
 

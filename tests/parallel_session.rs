@@ -7,8 +7,8 @@
 mod common;
 
 use h2o_llama::{
-    ChatMessage, Error, FlashAttention, H2oConfig, ParallelSession, Sampler, SamplerConfig, Selection, Session,
-    SessionConfig, Token,
+    ChatMessage, Error, FlashAttention, H2oConfig, ParallelSession, Sampler, SamplerConfig,
+    Selection, Session, SessionConfig, Token,
 };
 
 const N_PREDICT: usize = 12;
@@ -50,12 +50,18 @@ fn alone(prompt: &[Token], h2o: Option<H2oConfig>) -> Vec<Token> {
     let m = common::model();
     let mut s = Session::new(m, config(h2o)).unwrap();
     let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
-    s.generate(prompt, &mut greedy, N_PREDICT, |_| true).unwrap().tokens
+    s.generate(prompt, &mut greedy, N_PREDICT, |_| true)
+        .unwrap()
+        .tokens
 }
 
 /// Runs every prompt in its own sequence of `p`: prefill calls round-robin, then decode steps of
 /// all unfinished sequences together; returns each sequence's generated tokens.
-fn together(p: &mut ParallelSession<'_>, prompts: &[Vec<Token>], kept: &[usize]) -> Vec<Vec<Token>> {
+fn together(
+    p: &mut ParallelSession<'_>,
+    prompts: &[Vec<Token>],
+    kept: &[usize],
+) -> Vec<Vec<Token>> {
     let m = common::model();
     let mut samplers: Vec<Sampler> = prompts
         .iter()
@@ -118,13 +124,26 @@ fn each_sequence_generates_what_a_session_alone_generates() {
         assert_eq!(kept, vec![0, 0, 0]);
         let got = together(&mut p, &prompts, &kept);
         for (i, pr) in prompts.iter().enumerate() {
-            assert_eq!(got[i], alone(pr, h), "sequence {i} ({} prompt tokens), H2O {h:?}", pr.len());
+            assert_eq!(
+                got[i],
+                alone(pr, h),
+                "sequence {i} ({} prompt tokens), H2O {h:?}",
+                pr.len()
+            );
             assert_eq!(p.tokens(i as u32)[..pr.len()], pr[..]);
         }
         if h.is_some() {
             let st = p.h2o_state(0).expect("H2O state of sequence 0");
-            assert_eq!((st.chunks_done, st.tokens_done), (4, 256), "300 prompt tokens, S = 64");
-            assert_eq!(p.h2o_state(2).unwrap().chunks_done, 0, "40 tokens: no chunk complete");
+            assert_eq!(
+                (st.chunks_done, st.tokens_done),
+                (4, 256),
+                "300 prompt tokens, S = 64"
+            );
+            assert_eq!(
+                p.h2o_state(2).unwrap().chunks_done,
+                0,
+                "40 tokens: no chunk complete"
+            );
         } else {
             assert!(p.h2o_state(0).is_none());
         }
@@ -180,7 +199,10 @@ fn a_sequence_runs_its_own_memory_selection() {
     let mut done = 0;
     while done < prompts[0].len() {
         let k = p.prefill(0, &prompts[0][done..], 64).unwrap();
-        assert!(k <= 64 || done + k == prompts[0].len(), "a call of {k} tokens at {done}");
+        assert!(
+            k <= 64 || done + k == prompts[0].len(),
+            "a call of {k} tokens at {done}"
+        );
         done += k;
     }
     let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
@@ -201,8 +223,14 @@ fn bad_sequences_and_prompts_are_errors() {
     let m = common::model();
     let mut p = ParallelSession::new(m, config(h2o()), 2).unwrap();
     let err = p.start_prompt(2, &[1, 2, 3], None).unwrap_err();
-    assert!(err.to_string().contains("sequence 2 of a session with 2"), "{err}");
-    assert!(matches!(p.start_prompt(0, &[], None), Err(Error::EmptyPrompt)));
+    assert!(
+        err.to_string().contains("sequence 2 of a session with 2"),
+        "{err}"
+    );
+    assert!(matches!(
+        p.start_prompt(0, &[], None),
+        Err(Error::EmptyPrompt)
+    ));
     let long = vec![1; 1025];
     assert!(matches!(
         p.start_prompt(0, &long, None),

@@ -50,7 +50,11 @@ fn tokenize_detokenize_round_trips() {
     ] {
         let tokens = m.tokenize(text, false, false).unwrap();
         assert!(!tokens.is_empty());
-        assert_eq!(m.detokenize(&tokens).unwrap(), text, "round trip of {text:?}");
+        assert_eq!(
+            m.detokenize(&tokens).unwrap(),
+            text,
+            "round trip of {text:?}"
+        );
         // Piece by piece, too (the streaming path).
         let bytes: Vec<u8> = tokens
             .iter()
@@ -69,7 +73,10 @@ fn token_ids_outside_the_vocabulary_are_refused_not_aborted_on() {
             matches!(m.detokenize(&[1, bad]), Err(Error::InvalidToken { token, .. }) if token == bad),
             "detokenize {bad}"
         );
-        assert!(matches!(m.token_bytes(bad, false), Err(Error::InvalidToken { .. })));
+        assert!(matches!(
+            m.token_bytes(bad, false),
+            Err(Error::InvalidToken { .. })
+        ));
     }
     assert_eq!(m.detokenize(&[]).unwrap(), "");
 }

@@ -40,7 +40,12 @@ pub trait Engine: Send + Sync + 'static {
     fn metrics(&self) -> &Metrics;
     /// # Errors
     /// As [`EngineHandle::tokenize`].
-    fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>, h2o_llama::Error>;
+    fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>, h2o_llama::Error>;
     /// # Errors
     /// As [`EngineHandle::token_piece`].
     fn token_piece(&self, token: Token) -> Result<Vec<u8>, h2o_llama::Error>;
@@ -62,7 +67,12 @@ impl Engine for EngineHandle {
         EngineHandle::metrics(self)
     }
 
-    fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>, h2o_llama::Error> {
+    fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>, h2o_llama::Error> {
         EngineHandle::tokenize(self, text, add_special, parse_special)
     }
 
@@ -193,7 +203,9 @@ pub fn log_line(
         info.method,
         info.path,
         status.as_u16(),
-        stats.slot.map_or_else(|| "-".to_string(), |s| s.to_string()),
+        stats
+            .slot
+            .map_or_else(|| "-".to_string(), |s| s.to_string()),
         opt(stats.prompt_tokens),
         opt(stats.completion_tokens),
         info.start.elapsed().as_secs_f64() * 1e3,

@@ -228,7 +228,13 @@ impl<'m> ParallelSession<'m> {
         let book = &self.seqs[seq as usize];
         let keep = if book.h2o == want {
             let common = super::state::common_prefix(&book.tokens, prompt).min(prompt.len() - 1);
-            reusable(book.h2o, &self.config, prompt.len() as u32, common as u32, book.fresh_until)
+            reusable(
+                book.h2o,
+                &self.config,
+                prompt.len() as u32,
+                common as u32,
+                book.fresh_until,
+            )
         } else {
             0
         };
@@ -256,7 +262,9 @@ impl<'m> ParallelSession<'m> {
         self.check_tokens(seq, rest)?;
         let n_batch = self.config.n_batch as usize;
         let start = self.seqs[seq as usize].n_past();
-        let mut len = rest.len().min((n_batch - start as usize % n_batch).min(limit.max(1)));
+        let mut len = rest
+            .len()
+            .min((n_batch - start as usize % n_batch).min(limit.max(1)));
         if let Some(tail_start) = self.dense_tail_start(seq, start as usize + rest.len()) {
             // the chunk holding the dense tail's start, and the rest of the prompt, go in one
             // call, as in a fresh session's last call: with the hybrid selection, a chunk split
@@ -277,8 +285,12 @@ impl<'m> ParallelSession<'m> {
         let last = piece.len() == rest.len();
         self.batch.clear();
         for (i, &t) in piece.iter().enumerate() {
-            self.batch
-                .push(t, start + i as u32, seq as i32, last && i + 1 == piece.len());
+            self.batch.push(
+                t,
+                start + i as u32,
+                seq as i32,
+                last && i + 1 == piece.len(),
+            );
         }
         self.decode_batch(&[seq])?;
         let book = &mut self.seqs[seq as usize];
@@ -331,7 +343,9 @@ impl<'m> ParallelSession<'m> {
             let book = &mut self.seqs[seq as usize];
             let start = book.n_past();
             book.tokens.push(t);
-            book.fresh_until = book.fresh_until.min(unscored_from(book.h2o, start, 1, true));
+            book.fresh_until = book
+                .fresh_until
+                .min(unscored_from(book.h2o, start, 1, true));
         }
         Ok(())
     }

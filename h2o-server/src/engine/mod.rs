@@ -128,11 +128,21 @@ pub struct JobTimings {
 /// `EmptyPrompt`, `Template`) always come instead of `Started`.
 #[derive(Debug, Clone)]
 pub enum Event {
-    Started { slot: u32, prompt_tokens: usize },
+    Started {
+        slot: u32,
+        prompt_tokens: usize,
+    },
     /// A piece of generated text (complete UTF-8; bytes of a split character wait for the rest,
     /// and text that may begin a stop string waits for the tokens that decide).
-    Token { text: String },
-    Done { finish: FinishReason, completion_tokens: usize, prompt_tokens: usize, timings: JobTimings },
+    Token {
+        text: String,
+    },
+    Done {
+        finish: FinishReason,
+        completion_tokens: usize,
+        prompt_tokens: usize,
+        timings: JobTimings,
+    },
     Failed(JobError),
 }
 
@@ -154,7 +164,9 @@ pub enum JobError {
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SubmitError {
-    #[error("the server is busy: {queued} requests are waiting for a slot; retry in {retry_after_s} s")]
+    #[error(
+        "the server is busy: {queued} requests are waiting for a slot; retry in {retry_after_s} s"
+    )]
     QueueFull { queued: usize, retry_after_s: u64 },
     #[error("the server is shutting down")]
     ShuttingDown,
@@ -209,7 +221,12 @@ impl EngineHandle {
     ///
     /// # Errors
     /// The text has a NUL byte, or llama.cpp cannot tokenize it.
-    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>, h2o_llama::Error> {
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>, h2o_llama::Error> {
         self.model.tokenize(text, add_special, parse_special)
     }
 
@@ -235,7 +252,10 @@ impl EngineHandle {
     /// # Errors
     /// [`SubmitError::QueueFull`] when `queue_capacity` jobs already wait for a slot,
     /// [`SubmitError::ShuttingDown`] after [`EngineHandle::shutdown`].
-    pub fn submit(&self, job: Job) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, SubmitError> {
+    pub fn submit(
+        &self,
+        job: Job,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, SubmitError> {
         worker::submit(self, job)
     }
 

@@ -59,7 +59,9 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
     let thread = std::thread::Builder::new()
         .name("h2o-engine".into())
         .spawn(move || run(&thread_model, config, rx, thread_metrics, ready_tx))
-        .map_err(|e| h2o_llama::Error::InvalidConfig(format!("cannot start the engine thread: {e}")))?;
+        .map_err(|e| {
+            h2o_llama::Error::InvalidConfig(format!("cannot start the engine thread: {e}"))
+        })?;
     let info = ready_rx.recv().unwrap_or_else(|_| {
         Err(h2o_llama::Error::InvalidConfig(
             "the engine thread stopped while starting".into(),
@@ -263,7 +265,9 @@ impl<'m> Engine<'m> {
         self.queue.retain(|(_, tx)| !tx.is_closed());
         let gone = before - self.queue.len();
         if gone > 0 {
-            self.metrics.queue_len.fetch_sub(gone as u64, Ordering::SeqCst);
+            self.metrics
+                .queue_len
+                .fetch_sub(gone as u64, Ordering::SeqCst);
             Metrics::add(&self.metrics.requests_cancelled, gone as u64);
         }
         for slot in 0..self.slots.len() {
@@ -381,7 +385,11 @@ impl<'m> Engine<'m> {
             .filter(|&s| self.slots[s].is_none())
             .max_by_key(|&s| {
                 let cached = self.session.tokens(s as u32);
-                let common = cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+                let common = cached
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count();
                 (common, std::cmp::Reverse(s))
             })
             .expect("a free slot")
@@ -404,16 +412,26 @@ impl<'m> Engine<'m> {
 
     /// One prompt call of one slot, then one decode step of all generating slots.
     fn step(&mut self) {
-        let generating = self
-            .slots
-            .iter()
-            .any(|a| matches!(a, Some(Active { phase: Phase::Generating { .. }, .. })));
+        let generating = self.slots.iter().any(|a| {
+            matches!(
+                a,
+                Some(Active {
+                    phase: Phase::Generating { .. },
+                    ..
+                })
+            )
+        });
         // prompts first come, first served: finishing the oldest prompt before the next one
         // starts gives each its first token as early as the ones ahead allow (taking turns
         // would hold every prompt back until the last of them is done)
         let next_prompt = (0..self.slots.len())
             .filter_map(|s| match &self.slots[s] {
-                Some(a @ Active { phase: Phase::Prompt { .. }, .. }) => Some((a.arrived, s)),
+                Some(
+                    a @ Active {
+                        phase: Phase::Prompt { .. },
+                        ..
+                    },
+                ) => Some((a.arrived, s)),
                 _ => None,
             })
             .min()
@@ -482,7 +500,10 @@ impl<'m> Engine<'m> {
         }
         let t0 = Instant::now();
         let result = self.session.decode(&step);
-        Metrics::add(&self.metrics.decode_us_total, t0.elapsed().as_micros() as u64);
+        Metrics::add(
+            &self.metrics.decode_us_total,
+            t0.elapsed().as_micros() as u64,
+        );
         if let Err(e) = result {
             for &(s, _) in &step {
                 self.fail(s as usize, JobError::Engine(e.to_string()));
@@ -593,7 +614,12 @@ impl<'m> Engine<'m> {
                     let chunks = (last_chunk + 1 - first_chunk) as u32;
                     // every chunk after the first attends to a memory set, not to all before it
                     let sparse = (first_chunk.max(1)..=last_chunk).count() as u32;
-                    (chunks, sparse, (h.local + h.heavy), h.select.name().to_string())
+                    (
+                        chunks,
+                        sparse,
+                        (h.local + h.heavy),
+                        h.select.name().to_string(),
+                    )
                 }
                 None => (0, 0, 0, "full".to_string()),
             };
@@ -628,7 +654,9 @@ fn partial_stop(text: &str, stop: &str) -> usize {
     (1..stop.len().min(text.len() + 1))
         .rev()
         .find(|&k| {
-            text.is_char_boundary(text.len() - k) && stop.is_char_boundary(k) && text.ends_with(&stop[..k])
+            text.is_char_boundary(text.len() - k)
+                && stop.is_char_boundary(k)
+                && text.ends_with(&stop[..k])
         })
         .unwrap_or(0)
 }
@@ -641,7 +669,11 @@ mod tests {
     fn partial_stop_finds_the_tail_that_may_begin_a_stop_string() {
         assert_eq!(partial_stop("hello wor", "world"), 3);
         assert_eq!(partial_stop("hello", "world"), 0);
-        assert_eq!(partial_stop("abc", "c"), 0, "a whole stop string is not partial");
+        assert_eq!(
+            partial_stop("abc", "c"),
+            0,
+            "a whole stop string is not partial"
+        );
         assert_eq!(partial_stop("x\u{e9}", "\u{e9}t"), 2);
     }
 }

@@ -104,9 +104,7 @@ impl Engine for Fake {
                     prompt_tokens,
                 });
                 if text.contains("engine error") {
-                    let _ = tx.send(Event::Token {
-                        text: "Hel".into(),
-                    });
+                    let _ = tx.send(Event::Token { text: "Hel".into() });
                     let _ = tx.send(Event::Failed(JobError::Engine(
                         "the GPU caught fire".into(),
                     )));
@@ -131,9 +129,7 @@ impl Engine for Fake {
                 let pieces = ["Hello", " world", "!"];
                 let n = pieces.len().min(job.sampling.max_tokens as usize);
                 for p in &pieces[..n] {
-                    let _ = tx.send(Event::Token {
-                        text: (*p).into(),
-                    });
+                    let _ = tx.send(Event::Token { text: (*p).into() });
                 }
                 let finish = if n < pieces.len() {
                     FinishReason::Length
@@ -167,14 +163,22 @@ impl Engine for Fake {
     }
 
     /// A byte tokenizer: token = byte, vocabulary 0..256.
-    fn tokenize(&self, text: &str, _: bool, _: bool) -> Result<Vec<h2o_llama::Token>, h2o_llama::Error> {
+    fn tokenize(
+        &self,
+        text: &str,
+        _: bool,
+        _: bool,
+    ) -> Result<Vec<h2o_llama::Token>, h2o_llama::Error> {
         Ok(text.bytes().map(h2o_llama::Token::from).collect())
     }
 
     fn token_piece(&self, token: h2o_llama::Token) -> Result<Vec<u8>, h2o_llama::Error> {
         u8::try_from(token)
             .map(|b| vec![b])
-            .map_err(|_| h2o_llama::Error::InvalidToken { token, n_vocab: 256 })
+            .map_err(|_| h2o_llama::Error::InvalidToken {
+                token,
+                n_vocab: 256,
+            })
     }
 
     fn detokenize(&self, tokens: &[h2o_llama::Token]) -> Result<String, h2o_llama::Error> {
@@ -911,7 +915,12 @@ async fn tokenize_and_detokenize_refuse_bad_bodies_with_400s() {
     ];
     for (path, body, param) in cases {
         let (status, answer) = s.post_json(path, &body).await;
-        assert_error(status, &answer, StatusCode::BAD_REQUEST, "invalid_request_error");
+        assert_error(
+            status,
+            &answer,
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+        );
         assert_eq!(answer["error"]["param"], param, "{path} {body}: {answer}");
     }
 }
