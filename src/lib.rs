@@ -54,8 +54,8 @@ pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{Sampler, SamplerConfig};
 pub use session::{
-    FlashAttention, Generation, H2oConfig, H2oState, ParallelSession, PromptCache, Selection,
-    SeqId, Session, SessionConfig, Timings,
+    AbortCheck, FlashAttention, Generation, H2oConfig, H2oState, ParallelSession, PromptCache,
+    Selection, SeqId, Session, SessionConfig, Timings,
 };
 
 /// Version of the pinned upstream crate whose llama.cpp this library builds.

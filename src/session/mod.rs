@@ -11,7 +11,7 @@ mod state;
 
 pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
-pub use parallel::{ParallelSession, SeqId};
+pub use parallel::{AbortCheck, ParallelSession, SeqId};
 pub use state::PromptCache;
 
 use std::ffi::c_void;

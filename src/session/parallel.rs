@@ -11,6 +11,8 @@
 //! than alone (max |diff| 0.40 on SmolLM2; `tests/cpp/test-h2o-kv-cache.cpp`, "several
 //! sequences"), with or without H2O.
 
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 
 use super::prefix::reusable;
@@ -22,6 +24,10 @@ use crate::{backend, sys};
 
 /// A sequence of a [`ParallelSession`]: `0 .. n_seq`.
 pub type SeqId = u32;
+
+/// Asked by llama.cpp during a call whether to stop it (true: stop); see
+/// [`ParallelSession::prefill_with_abort`].
+pub type AbortCheck<'a> = &'a (dyn Fn() -> bool + Sync);
 
 /// What a sequence holds, and the H2O bookkeeping prefix reuse needs (as in `Session`).
 #[derive(Debug, Clone)]
@@ -258,6 +264,34 @@ impl<'m> ParallelSession<'m> {
     /// As [`Session::evaluate`](super::Session::evaluate); a failed call leaves the sequence
     /// empty.
     pub fn prefill(&mut self, seq: SeqId, rest: &[Token], limit: usize) -> Result<usize> {
+        self.prefill_inner(seq, rest, limit, None)
+    }
+
+    /// [`ParallelSession::prefill`], stopped early when `abort` says so: llama.cpp's CPU
+    /// backend asks it between the operations of its graphs, and once it returns true the call
+    /// ends with [`Error::Interrupted`] and the sequence is emptied (the others are untouched).
+    /// A server stops a long prompt call this way when its client has gone. Operations on a GPU
+    /// run to their end.
+    ///
+    /// # Errors
+    /// As [`ParallelSession::prefill`]; [`Error::Interrupted`] when stopped.
+    pub fn prefill_with_abort(
+        &mut self,
+        seq: SeqId,
+        rest: &[Token],
+        limit: usize,
+        abort: AbortCheck<'_>,
+    ) -> Result<usize> {
+        self.prefill_inner(seq, rest, limit, Some(abort))
+    }
+
+    fn prefill_inner(
+        &mut self,
+        seq: SeqId,
+        rest: &[Token],
+        limit: usize,
+        abort: Option<AbortCheck<'_>>,
+    ) -> Result<usize> {
         self.check_seq(seq)?;
         self.check_tokens(seq, rest)?;
         let n_batch = self.config.n_batch as usize;
@@ -292,7 +326,7 @@ impl<'m> ParallelSession<'m> {
                 last && i + 1 == piece.len(),
             );
         }
-        self.decode_batch(&[seq])?;
+        self.decode_batch(&[seq], abort)?;
         let book = &mut self.seqs[seq as usize];
         book.tokens.extend_from_slice(piece);
         if piece.len() > 1 {
@@ -312,6 +346,27 @@ impl<'m> ParallelSession<'m> {
     /// [`Error::InvalidConfig`] for a bad or repeated sequence, or a full one
     /// ([`Error::PromptTooLong`]); a failed step leaves its sequences empty.
     pub fn decode(&mut self, step: &[(SeqId, Token)]) -> Result<()> {
+        self.decode_inner(step, None)
+    }
+
+    /// [`ParallelSession::decode`], stopped early when `abort` says so, as
+    /// [`ParallelSession::prefill_with_abort`] is; a stopped step empties all its sequences.
+    ///
+    /// # Errors
+    /// As [`ParallelSession::decode`]; [`Error::Interrupted`] when stopped.
+    pub fn decode_with_abort(
+        &mut self,
+        step: &[(SeqId, Token)],
+        abort: AbortCheck<'_>,
+    ) -> Result<()> {
+        self.decode_inner(step, Some(abort))
+    }
+
+    fn decode_inner(
+        &mut self,
+        step: &[(SeqId, Token)],
+        abort: Option<AbortCheck<'_>>,
+    ) -> Result<()> {
         if step.is_empty() {
             return Ok(());
         }
@@ -338,7 +393,7 @@ impl<'m> ParallelSession<'m> {
                 .push(t, self.seqs[seq as usize].n_past(), seq as i32, true);
         }
         let seqs: Vec<SeqId> = step.iter().map(|&(s, _)| s).collect();
-        self.decode_batch(&seqs)?;
+        self.decode_batch(&seqs, abort)?;
         for &(seq, t) in step {
             let book = &mut self.seqs[seq as usize];
             let start = book.n_past();
@@ -473,17 +528,41 @@ impl<'m> ParallelSession<'m> {
         }
     }
 
-    /// Runs `llama_decode` on the filled batch; on failure the sequences in it are emptied
-    /// (part of the batch may be in the cache).
-    fn decode_batch(&mut self, seqs: &[SeqId]) -> Result<()> {
-        // SAFETY: valid context and a batch filled within its capacity.
-        let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch.raw) };
+    /// Runs `llama_decode` on the filled batch, asking `abort` between graph operations
+    /// whether to stop; on failure the sequences in it are emptied (part of the batch may be in
+    /// the cache).
+    fn decode_batch(&mut self, seqs: &[SeqId], abort: Option<AbortCheck<'_>>) -> Result<()> {
+        unsafe extern "C" fn ask(data: *mut c_void) -> bool {
+            // SAFETY: `data` points at `abort` below, registered only while llama_decode runs.
+            let abort = unsafe { &*(data as *const AbortCheck<'_>) };
+            // a panic must not unwind into C: take it as a request to stop
+            catch_unwind(AssertUnwindSafe(abort)).unwrap_or(true)
+        }
+        let ctx = self.ctx.as_ptr();
+        // SAFETY: valid context and a batch filled within its capacity. The callback is
+        // registered for this llama_decode alone, with a pointer to `abort`, which outlives it;
+        // no other code runs between registering and unregistering it.
+        let rc = unsafe {
+            match &abort {
+                Some(abort) => {
+                    let data: *const AbortCheck<'_> = abort;
+                    sys::llama_set_abort_callback(ctx, Some(ask), data as *mut c_void);
+                    let rc = sys::llama_decode(ctx, self.batch.raw);
+                    sys::llama_set_abort_callback(ctx, None, std::ptr::null_mut());
+                    rc
+                }
+                None => sys::llama_decode(ctx, self.batch.raw),
+            }
+        };
         if rc == 0 {
             return Ok(());
         }
         for &seq in seqs {
             let _ = self.clear(seq);
         }
-        Err(Error::Decode(DecodeError::from_code(rc)))
+        match DecodeError::from_code(rc) {
+            DecodeError::Aborted => Err(Error::Interrupted),
+            e => Err(Error::Decode(e)),
+        }
     }
 }
