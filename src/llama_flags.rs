@@ -21,14 +21,21 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
 /// When `flags` names a flag that is not in [`MULTI_LETTER_FLAGS`] (a programming error).
 #[must_use]
 pub fn expand(args: impl IntoIterator<Item = String>, flags: &[&str]) -> Vec<String> {
-    let long_of = |flag: &str| {
-        flags.contains(&flag).then(|| {
+    let long_forms: Vec<(&str, &str)> = flags
+        .iter()
+        .map(|&flag| {
             MULTI_LETTER_FLAGS
                 .iter()
-                .find(|(short, _)| *short == flag)
-                .map(|(_, long)| *long)
+                .copied()
+                .find(|&(short, _)| short == flag)
                 .unwrap_or_else(|| panic!("{flag} is not one of llama.cpp's multi-letter flags"))
         })
+        .collect();
+    let long_of = |flag: &str| {
+        long_forms
+            .iter()
+            .find(|&&(short, _)| short == flag)
+            .map(|&(_, long)| long)
     };
     let mut operands = false;
     args.into_iter()
@@ -80,6 +87,12 @@ mod tests {
                 "128"
             ])
         );
+    }
+
+    #[test]
+    #[should_panic(expected = "-xyz is not one of llama.cpp's multi-letter flags")]
+    fn a_flag_outside_the_table_is_a_programming_error_found_at_once() {
+        let _ = expand(strings(&["prog"]), &["-xyz"]);
     }
 
     #[test]

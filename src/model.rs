@@ -320,11 +320,12 @@ impl Model {
         }
     }
 
-    /// Converts tokens back to text (special tokens omitted), replacing invalid UTF-8.
+    /// Converts tokens back to text, replacing invalid UTF-8; `special` renders control tokens
+    /// such as `<|im_start|>` as their text (otherwise they are left out).
     ///
     /// # Errors
     /// [`Error::InvalidToken`] when a token is not in the vocabulary.
-    pub fn detokenize(&self, tokens: &[Token]) -> Result<String> {
+    pub fn detokenize(&self, tokens: &[Token], special: bool) -> Result<String> {
         self.check_tokens(tokens)?;
         let n = i32::try_from(tokens.len())
             .map_err(|_| Error::Tokenize("more than 2^31 tokens to detokenize".into()))?;
@@ -340,7 +341,7 @@ impl Model {
                     buf.as_mut_ptr().cast(),
                     i32::try_from(buf.len()).unwrap_or(i32::MAX),
                     false,
-                    false,
+                    special,
                 )
             };
             if written >= 0 {

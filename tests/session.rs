@@ -51,7 +51,7 @@ fn tokenize_detokenize_round_trips() {
         let tokens = m.tokenize(text, false, false).unwrap();
         assert!(!tokens.is_empty());
         assert_eq!(
-            m.detokenize(&tokens).unwrap(),
+            m.detokenize(&tokens, false).unwrap(),
             text,
             "round trip of {text:?}"
         );
@@ -70,7 +70,7 @@ fn token_ids_outside_the_vocabulary_are_refused_not_aborted_on() {
     let n_vocab = m.n_vocab();
     for bad in [-1, n_vocab as i32, i32::MAX] {
         assert!(
-            matches!(m.detokenize(&[1, bad]), Err(Error::InvalidToken { token, .. }) if token == bad),
+            matches!(m.detokenize(&[1, bad], false), Err(Error::InvalidToken { token, .. }) if token == bad),
             "detokenize {bad}"
         );
         assert!(matches!(
@@ -78,7 +78,7 @@ fn token_ids_outside_the_vocabulary_are_refused_not_aborted_on() {
             Err(Error::InvalidToken { .. })
         ));
     }
-    assert_eq!(m.detokenize(&[]).unwrap(), "");
+    assert_eq!(m.detokenize(&[], false).unwrap(), "");
 }
 
 #[test]
@@ -97,7 +97,7 @@ fn greedy_generation_is_deterministic_across_sessions_and_after_reset() {
         first.len(),
         24,
         "greedy run stopped early: {:?}",
-        m.detokenize(&first)
+        m.detokenize(&first, false)
     );
     let mut b = Session::new(m, small_config()).unwrap();
     assert_eq!(
