@@ -44,7 +44,8 @@ Examples:
   curl http://127.0.0.1:8080/v1/chat/completions -d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}'
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /completion (llama-server),
-GET /v1/models, GET /health, GET /metrics (Prometheus), GET /props.
+POST /tokenize, POST /detokenize, GET /v1/models, GET /health, GET /metrics (Prometheus),
+GET /props.
 Per request, the body fields h2o_select, h2o_sink and h2o_dense_tail override --h2o-select,
 --h2o-sink and --h2o-dense-tail.
 

@@ -168,11 +168,7 @@ impl ChatRequest {
             (None, m) => ("max_tokens", m),
         };
         let max_tokens = max_tokens(max_param, max, false, info)?;
-        let job = Job {
-            prompt: Prompt::Chat(messages),
-            sampling: sampling(&self.common, max_tokens)?,
-            h2o: h2o_overrides(&self.common, info)?,
-        };
+        let job = job(Prompt::Chat(messages), &self.common, max_tokens, info)?;
         Ok((job, delivery(self.stream, self.stream_options.as_ref())))
     }
 }
@@ -190,11 +186,7 @@ impl CompletionRequest {
             ));
         }
         let max_tokens = max_tokens("max_tokens", self.max_tokens, false, info)?;
-        let job = Job {
-            prompt: Prompt::Text(prompt),
-            sampling: sampling(&self.common, max_tokens)?,
-            h2o: h2o_overrides(&self.common, info)?,
-        };
+        let job = job(Prompt::Text(prompt), &self.common, max_tokens, info)?;
         Ok((job, delivery(self.stream, self.stream_options.as_ref())))
     }
 }
@@ -205,13 +197,23 @@ impl LlamaCompletionRequest {
     pub fn into_job(self, info: &EngineInfo) -> Result<(Job, Delivery), ApiError> {
         let prompt = prompt_text(&self.prompt)?;
         let max_tokens = max_tokens("n_predict", self.n_predict, true, info)?;
-        let job = Job {
-            prompt: Prompt::Text(prompt),
-            sampling: sampling(&self.common, max_tokens)?,
-            h2o: h2o_overrides(&self.common, info)?,
-        };
+        let job = job(Prompt::Text(prompt), &self.common, max_tokens, info)?;
         Ok((job, delivery(self.stream, None)))
     }
+}
+
+/// A job from its prompt and the fields every generation endpoint shares.
+fn job(
+    prompt: Prompt,
+    common: &Common,
+    max_tokens: u32,
+    info: &EngineInfo,
+) -> Result<Job, ApiError> {
+    Ok(Job {
+        prompt,
+        sampling: sampling(common, max_tokens)?,
+        h2o: h2o_overrides(common, info)?,
+    })
 }
 
 fn delivery(stream: Option<bool>, options: Option<&StreamOptions>) -> Delivery {

@@ -5,7 +5,8 @@
 //! The H2O shape is small enough that short prompts already run sparse chunks: `-ub 64` with
 //! L = H = 16, each of the 4 slots holding `-c 4096 / 4 = 1024` tokens.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -411,6 +412,34 @@ fn chat_completions_and_completion_answer_in_their_shapes() {
     );
     assert_eq!(status, 200, "{seed_rule}");
     assert_eq!(seed_rule["timings"]["h2o_policy"], "h2o");
+
+    // a conversation's next turn finds its slot and evaluates only what is new: the chunks
+    // before the first turn's dense tail are kept
+    let mut messages = vec![
+        json!({"role": "user", "content": format!("{}\nHow many ships were there?", long_text(300))}),
+    ];
+    let (status, first) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{first}");
+    messages.push(first["choices"][0]["message"].clone());
+    messages.push(json!({"role": "user", "content": "And at dusk?"}));
+    let (status, second) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{second}");
+    let t = &second["timings"];
+    let cached = t["cache_n"].as_u64().unwrap();
+    let first_prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    // the boundary before turn 1's tail (its last 64 tokens) is at most a chunk (64) earlier
+    assert!(
+        cached >= first_prompt - 64 - 64,
+        "turn 2 kept {cached} of turn 1's {first_prompt} prompt tokens: {second}"
+    );
 
     // the llama-server stream: pieces with stop:false, then stop:true with the timings
     let r = client()
@@ -961,6 +990,61 @@ fn a_client_leaving_mid_stream_frees_its_slot() {
         &server,
         "/v1/chat/completions",
         &json!({"messages": user("Hi"), "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn a_client_leaving_during_a_long_prompt_call_stops_it_inside_llama_decode() {
+    // one slot, and the whole prompt in one call (-b = -c): only an abort inside llama_decode
+    // frees the slot before that call ends
+    let server = Server::start(&[
+        "-c",
+        "4096",
+        "-np",
+        "1",
+        "-ub",
+        "512",
+        "-b",
+        "4096",
+        "--h2o-local",
+        "128",
+        "--h2o-heavy",
+        "128",
+    ]);
+    let body = json!({"prompt": long_text(3600), "max_tokens": 4}).to_string();
+    let addr = server.base.trim_start_matches("http://").to_string();
+    // a raw connection, so that it can be closed the moment the prompt call is seen to start
+    let mut conn = TcpStream::connect(&addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_until("the prompt call starts", Duration::from_secs(60), || {
+        get_json(&server, "/health")["slots_busy"] == 1
+    });
+    drop(conn);
+    wait_until("the slot is free again", Duration::from_secs(120), || {
+        get_json(&server, "/health")["slots_busy"] == 0
+    });
+    let m = metrics(&server);
+    assert_eq!(
+        sample(&m, "h2o_server_prompt_tokens_total"),
+        0.0,
+        "the prompt call ran to its end instead of stopping:\n{m}"
+    );
+    assert_eq!(
+        sample(&m, "h2o_server_requests_cancelled_total"),
+        1.0,
+        "{m}"
+    );
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "The harbour master", "max_tokens": 4}),
     );
     assert_eq!(status, 200, "{v}");
 }

@@ -197,6 +197,8 @@ impl Metrics {
 #[derive(Clone)]
 pub struct EngineHandle {
     pub(crate) tx: std::sync::mpsc::SyncSender<worker::Command>,
+    /// Set by [`EngineHandle::shutdown`]; a llama.cpp call in progress checks it.
+    pub(crate) stopping: Arc<std::sync::atomic::AtomicBool>,
     /// The engine's model, for tokenizing outside the engine thread (llama.cpp's vocabulary is
     /// read-only once loaded).
     pub(crate) model: Arc<Model>,
@@ -238,12 +240,12 @@ impl EngineHandle {
         self.model.token_bytes(token, true)
     }
 
-    /// The text of `tokens` (`/detokenize`).
+    /// The text of `tokens`, control tokens included (`/detokenize`, as llama-server's).
     ///
     /// # Errors
     /// A token is not in the vocabulary.
     pub fn detokenize(&self, tokens: &[Token]) -> Result<String, h2o_llama::Error> {
-        self.model.detokenize(tokens)
+        self.model.detokenize(tokens, true)
     }
 
     /// Queues a job. Its events arrive on the returned receiver; dropping the receiver cancels

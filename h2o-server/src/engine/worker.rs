@@ -5,7 +5,7 @@
 //! step of every generating slot in a single `llama_decode` (continuous batching).
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -56,9 +56,20 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread_metrics = Arc::clone(&metrics);
     let thread_model = Arc::clone(&model);
+    let stopping = Arc::new(AtomicBool::new(false));
+    let thread_stopping = Arc::clone(&stopping);
     let thread = std::thread::Builder::new()
         .name("h2o-engine".into())
-        .spawn(move || run(&thread_model, config, rx, thread_metrics, ready_tx))
+        .spawn(move || {
+            run(
+                &thread_model,
+                config,
+                rx,
+                thread_metrics,
+                thread_stopping,
+                ready_tx,
+            );
+        })
         .map_err(|e| {
             h2o_llama::Error::InvalidConfig(format!("cannot start the engine thread: {e}"))
         })?;
@@ -69,6 +80,7 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
     })?;
     Ok(EngineHandle {
         tx,
+        stopping,
         model,
         info: Arc::new(info),
         metrics,
@@ -81,6 +93,9 @@ pub(crate) fn submit(
     handle: &EngineHandle,
     job: Job,
 ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, SubmitError> {
+    if handle.stopping.load(Ordering::SeqCst) {
+        return Err(SubmitError::ShuttingDown);
+    }
     let capacity = handle.queue_capacity;
     let queued = handle.metrics.queue_len.fetch_add(1, Ordering::SeqCst) as usize;
     if queued >= capacity {
@@ -111,6 +126,8 @@ pub(crate) fn submit(
 }
 
 pub(crate) fn shutdown(handle: &EngineHandle) {
+    // stops a llama_decode in progress; the command wakes an idle engine
+    handle.stopping.store(true, Ordering::SeqCst);
     let _ = handle.tx.send(Command::Shutdown);
     let thread = handle.thread.lock().ok().and_then(|mut t| t.take());
     if let Some(thread) = thread {
@@ -124,6 +141,7 @@ fn run(
     config: EngineConfig,
     rx: Receiver<Command>,
     metrics: Arc<Metrics>,
+    stopping: Arc<AtomicBool>,
     ready: std::sync::mpsc::Sender<Result<EngineInfo, h2o_llama::Error>>,
 ) {
     let n_slot_ctx = match config.n_ctx {
@@ -165,7 +183,7 @@ fn run(
     if ready.send(Ok(info)).is_err() {
         return;
     }
-    Engine::new(session, metrics).serve(&rx);
+    Engine::new(session, metrics, stopping).serve(&rx);
 }
 
 /// Where a slot's job is.
@@ -200,18 +218,19 @@ struct Engine<'m> {
     metrics: Arc<Metrics>,
     queue: VecDeque<(Box<Pending>, UnboundedSender<Event>)>,
     slots: Vec<Option<Active>>,
-    shutting_down: bool,
+    /// Set by [`EngineHandle::shutdown`]: every job is cancelled, a running call included.
+    stopping: Arc<AtomicBool>,
 }
 
 impl<'m> Engine<'m> {
-    fn new(session: ParallelSession<'m>, metrics: Arc<Metrics>) -> Self {
+    fn new(session: ParallelSession<'m>, metrics: Arc<Metrics>, stopping: Arc<AtomicBool>) -> Self {
         let n = session.n_seq() as usize;
         Self {
             session,
             metrics,
             queue: VecDeque::new(),
             slots: (0..n).map(|_| None).collect(),
-            shutting_down: false,
+            stopping,
         }
     }
 
@@ -231,10 +250,10 @@ impl<'m> Engine<'m> {
             for command in first.into_iter().chain(rx.try_iter()) {
                 match command {
                     Command::Submit(p, tx) => self.queue.push_back((p, tx)),
-                    Command::Shutdown => self.shutting_down = true,
+                    Command::Shutdown => self.stopping.store(true, Ordering::SeqCst),
                 }
             }
-            if self.shutting_down {
+            if self.stopping.load(Ordering::SeqCst) {
                 self.cancel_everything();
                 return;
             }
@@ -456,7 +475,14 @@ impl<'m> Engine<'m> {
             return;
         };
         let t0 = Instant::now();
-        let result = self.session.prefill(slot as u32, &a.prompt[done..], limit);
+        // a prompt call is long: it stops as soon as its client has gone or the server stops
+        let client = a.tx.clone();
+        let stopping = Arc::clone(&self.stopping);
+        let abort = move || client.is_closed() || stopping.load(Ordering::Relaxed);
+        let rest = &a.prompt[done..];
+        let result = self
+            .session
+            .prefill_with_abort(slot as u32, rest, limit, &abort);
         let a = self.slots[slot].as_mut().expect("active slot");
         let us = t0.elapsed().as_micros() as u64;
         a.prefill_us += us;
@@ -476,6 +502,12 @@ impl<'m> Engine<'m> {
                 let token = self.session.sample_last(&mut a.sampler);
                 self.take_token(slot, token);
             }
+            Err(h2o_llama::Error::Interrupted) if a.tx.is_closed() => {
+                self.free(slot);
+                Metrics::add(&self.metrics.requests_cancelled, 1);
+            }
+            // the server is stopping: the next turn of the loop cancels every job
+            Err(h2o_llama::Error::Interrupted) if self.stopping.load(Ordering::SeqCst) => {}
             Err(e) => self.fail(slot, JobError::Engine(e.to_string())),
         }
     }
@@ -499,16 +531,23 @@ impl<'m> Engine<'m> {
             return;
         }
         let t0 = Instant::now();
-        let result = self.session.decode(&step);
+        let stopping = Arc::clone(&self.stopping);
+        let abort = move || stopping.load(Ordering::Relaxed);
+        let result = self.session.decode_with_abort(&step, &abort);
         Metrics::add(
             &self.metrics.decode_us_total,
             t0.elapsed().as_micros() as u64,
         );
-        if let Err(e) = result {
-            for &(s, _) in &step {
-                self.fail(s as usize, JobError::Engine(e.to_string()));
+        match result {
+            Ok(()) => {}
+            // the server is stopping: the next turn of the loop cancels every job
+            Err(h2o_llama::Error::Interrupted) if self.stopping.load(Ordering::SeqCst) => return,
+            Err(e) => {
+                for &(s, _) in &step {
+                    self.fail(s as usize, JobError::Engine(e.to_string()));
+                }
+                return;
             }
-            return;
         }
         for (i, &(s, _)) in step.iter().enumerate() {
             let a = self.slots[s as usize].as_mut().expect("generating slot");
