@@ -565,6 +565,7 @@ fn perplexity_scores_h2o_against_full_attention() {
 /// the process ends soon after the signal, with exit code 130 and a one-line message.
 #[test]
 fn ctrl_c_stops_a_long_prefill_promptly() {
+    use std::io::BufRead;
     use std::time::{Duration, Instant};
     let mut child = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
         .arg("-m")
@@ -576,9 +577,31 @@ fn ctrl_c_stops_a_long_prefill_promptly() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // The handler is installed first thing; by now the model is loaded and the prefill (tens
-    // of seconds for 8000 tokens on two cores) is under way.
-    std::thread::sleep(Duration::from_secs(3));
+    // The signal goes once h2o-cli has printed its H2O state line: the model is loaded, the
+    // context made, and the prefill (tens of seconds for 8000 tokens on two cores) comes next.
+    // Waiting for that line, not for a fixed time, keeps the test right on a loaded machine.
+    let stderr_pipe = child.stderr.take().unwrap();
+    let (header_tx, header_rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(stderr_pipe)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.starts_with("h2o-cli: H2O state:") {
+                let _ = header_tx.send(());
+            }
+            lines.push(line);
+        }
+        lines.join("\n")
+    });
+    if header_rx.recv_timeout(Duration::from_secs(300)).is_err() {
+        let _ = child.kill();
+        panic!(
+            "h2o-cli printed no H2O state line within 300 s:\n{}",
+            reader.join().unwrap()
+        );
+    }
     assert!(
         child.try_wait().unwrap().is_none(),
         "h2o-cli ended before the interrupt"
@@ -602,7 +625,7 @@ fn ctrl_c_stops_a_long_prefill_promptly() {
     };
     let stopped_after = sent.elapsed();
     let o = child.wait_with_output().unwrap();
-    let err = stderr(&o);
+    let err = reader.join().unwrap();
     assert_eq!(status.code(), Some(130), "{err}");
     assert!(err.contains("interrupted by Ctrl-C"), "{err}");
     assert!(!err.contains("panicked"), "{err}");

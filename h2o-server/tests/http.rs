@@ -79,7 +79,7 @@ impl Server {
             base: String::new(),
             log,
         };
-        match rx.recv_timeout(Duration::from_secs(120)) {
+        match rx.recv_timeout(PATIENCE) {
             Ok(url) => server.base = url,
             Err(_) => panic!("h2o-server did not start listening:\n{}", server.log_text()),
         }
@@ -214,10 +214,19 @@ fn tokenized_without_bos(server: &Server, text: &str) -> Value {
     v["tokens"].clone()
 }
 
+/// How long a test waits for a state it expects (a slot taken or freed, a queued request, an
+/// exit): generous, because a loaded 2-core machine may run a prefill several times slower than
+/// an idle one, and waiting ends as soon as the state is seen.
+const PATIENCE: Duration = Duration::from_secs(300);
+
+/// Polls `ok` until it holds; fails naming `what` after `limit`.
 fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ok() {
-        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        assert!(
+            start.elapsed() < limit,
+            "waited {limit:?} for this, in vain: {what}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -915,7 +924,7 @@ fn an_api_key_is_required_except_for_health_and_sigterm_exits_0() {
         .unwrap();
     assert_eq!(r.status(), 200);
 
-    let status = server.terminate(Duration::from_secs(20));
+    let status = server.terminate(PATIENCE);
     assert_eq!(status.code(), Some(0), "{}", server.log_text());
 }
 
@@ -929,7 +938,7 @@ fn sigterm_during_a_stream_ends_it_and_exits_0() {
         .unwrap();
     let (events, mut rest) = read_sse(r, 2);
     assert_eq!(events.len(), 2);
-    let status = server.terminate(Duration::from_secs(20));
+    let status = server.terminate(PATIENCE);
     assert_eq!(status.code(), Some(0), "{}", server.log_text());
     // the stream ends (with an error event, or cut short) rather than hanging
     let mut tail = String::new();
@@ -973,14 +982,12 @@ fn a_client_leaving_mid_stream_frees_its_slot() {
     );
     drop(reader);
 
-    wait_until("the slot is free again", Duration::from_secs(20), || {
+    wait_until("the slot is free again", PATIENCE, || {
         get_json(&server, "/health")["slots_busy"] == 0
     });
-    wait_until(
-        "the job counts as cancelled",
-        Duration::from_secs(5),
-        || sample(&metrics(&server), "h2o_server_requests_cancelled_total") >= 1.0,
-    );
+    wait_until("the job counts as cancelled", PATIENCE, || {
+        sample(&metrics(&server), "h2o_server_requests_cancelled_total") >= 1.0
+    });
     assert!(
         server.log_text().contains("(client disconnected)"),
         "{}",
@@ -1023,11 +1030,11 @@ fn a_client_leaving_during_a_long_prompt_call_stops_it_inside_llama_decode() {
         body.len()
     )
     .unwrap();
-    wait_until("the prompt call starts", Duration::from_secs(60), || {
+    wait_until("the prompt call starts", PATIENCE, || {
         get_json(&server, "/health")["slots_busy"] == 1
     });
     drop(conn);
-    wait_until("the slot is free again", Duration::from_secs(120), || {
+    wait_until("the slot is free again", PATIENCE, || {
         get_json(&server, "/health")["slots_busy"] == 0
     });
     let m = metrics(&server);
@@ -1067,57 +1074,89 @@ fn a_full_queue_answers_503_with_retry_after() {
         "--h2o-heavy",
         "16",
     ]);
-    // one runs, one waits, the rest find the queue full: each takes a prefill of ~1000 tokens
-    let body = json!({"prompt": long_text(1000), "max_tokens": 32, "temperature": 0});
-    let results: Vec<(StatusCode, Option<String>, Value)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..6)
+    // One runs, one waits, the rest find the queue full. Each step waits for the server to show
+    // the state the next one needs (/health), so the outcome does not depend on how fast the
+    // machine prefills. The running request streams up to 900 greedy tokens of a repeated
+    // sentence: it holds the slot until the test lets go of it.
+    let health_is = |busy: u64, queued: u64| {
+        let h = get_json(&server, "/health");
+        h["slots_busy"] == busy && h["queue_length"] == queued
+    };
+    let body = |max_tokens: u32, stream: bool| json!({"prompt": long_text(1000), "max_tokens": max_tokens, "temperature": 0, "stream": stream});
+    let send = |body: &Value| {
+        let r = client()
+            .post(server.url("/v1/completions"))
+            .json(body)
+            .send()
+            .unwrap();
+        let retry = r
+            .headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_string());
+        (r.status(), retry, r)
+    };
+    std::thread::scope(|s| {
+        let running = s.spawn(|| send(&body(900, true)));
+        wait_until(
+            "the first request runs in the slot, with nobody queued",
+            PATIENCE,
+            || health_is(1, 0),
+        );
+        let waiting = s.spawn(|| {
+            let (status, retry, r) = send(&body(32, false));
+            (status, retry, r.json::<Value>().unwrap())
+        });
+        wait_until("the second request waits in the queue", PATIENCE, || {
+            health_is(1, 1)
+        });
+        let mut results: Vec<(StatusCode, Option<String>, Value)> = (0..4)
             .map(|_| {
-                s.spawn(|| {
-                    let r = client()
-                        .post(server.url("/v1/completions"))
-                        .json(&body)
-                        .send()
-                        .unwrap();
-                    let status = r.status();
-                    let retry = r
-                        .headers()
-                        .get("retry-after")
-                        .map(|v| v.to_str().unwrap().to_string());
-                    (status, retry, r.json::<Value>().unwrap())
-                })
+                let (status, retry, r) = send(&body(32, false));
+                (status, retry, r.json::<Value>().unwrap())
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let busy: Vec<_> = results
-        .iter()
-        .filter(|(s, _, _)| *s == StatusCode::SERVICE_UNAVAILABLE)
-        .collect();
-    assert!(
-        !busy.is_empty(),
-        "no request found the queue full: {results:?}"
-    );
-    assert!(
-        results
+        assert!(
+            health_is(1, 1),
+            "the first request ended before the queue-full answers were checked: {results:?}"
+        );
+        // the first request's client leaves: its slot goes to the waiting request
+        let (status, retry, stream) = running.join().unwrap();
+        assert_eq!(status, StatusCode::OK);
+        drop(stream);
+        results.push((status, retry, json!({"streamed": true})));
+        results.push(waiting.join().unwrap());
+
+        let busy: Vec<_> = results
             .iter()
-            .filter(|(s, _, _)| *s == StatusCode::OK)
-            .count()
-            >= 2,
-        "{results:?}"
-    );
-    for (status, retry, v) in &results {
-        if *status == StatusCode::OK {
-            continue;
+            .filter(|(s, _, _)| *s == StatusCode::SERVICE_UNAVAILABLE)
+            .collect();
+        assert!(
+            !busy.is_empty(),
+            "no request found the queue full: {results:?}"
+        );
+        assert!(
+            results
+                .iter()
+                .filter(|(s, _, _)| *s == StatusCode::OK)
+                .count()
+                >= 2,
+            "{results:?}"
+        );
+        assert_eq!(busy.len(), 4, "{results:?}");
+        for (status, retry, v) in &results {
+            if *status == StatusCode::OK {
+                continue;
+            }
+            assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+            let seconds: u64 = retry.as_deref().expect("Retry-After").parse().unwrap();
+            assert!(seconds >= 1);
+            assert_eq!(v["error"]["code"], "queue_full", "{v}");
         }
-        assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
-        let seconds: u64 = retry.as_deref().expect("Retry-After").parse().unwrap();
-        assert!(seconds >= 1);
-        assert_eq!(v["error"]["code"], "queue_full", "{v}");
-    }
-    assert_eq!(
-        sample(&metrics(&server), "h2o_server_requests_rejected_total") as usize,
-        busy.len()
-    );
+        assert_eq!(
+            sample(&metrics(&server), "h2o_server_requests_rejected_total") as usize,
+            busy.len()
+        );
+    });
     let (status, _) = post(
         &server,
         "/v1/completions",
