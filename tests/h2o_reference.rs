@@ -32,7 +32,10 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use h2o_llama::reference::{h2o_attention_head_given_memory, H2oParams, Matrix, MemorySet};
+use h2o_llama::reference::{
+    h2o_attention_coverage, h2o_attention_head_given_memory, CoverageParams, H2oParams, Matrix,
+    MemorySet,
+};
 use h2o_llama::{AttentionCapture, H2oConfig, Model, Selection, Session, SessionConfig};
 
 const S: usize = 128;
@@ -628,4 +631,92 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
         }
     }
     eprintln!("hybrid: max |output - reference| = {max_err:.3e}, {swaps} positions swapped within BF16 ties");
+}
+
+/// Coverage selection with sinks and a dense tail, in one call: every tile's memory comes from
+/// its sampled queries and the cache's keys, and the budget is shared by all heads' tiles of a
+/// chunk, so the reference chooses every memory from the captured Q and K of all heads of the
+/// layer; every output row must match, and after the call each head holds the memory the last
+/// tile would have at the average budget.
+#[test]
+fn coverage_selection_matches_the_reference_in_every_layer() {
+    check_coverage_selection(common::model(), 1.0, 4);
+    check_coverage_selection(common::model(), 0.9, 16);
+}
+
+/// Gemma 3 270M, coverage selection on its global layers.
+#[test]
+fn gemma3_coverage_selection_matches_the_reference_on_the_global_layers() {
+    check_coverage_selection(common::gemma(), 1.0, 4);
+}
+
+fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
+    const SINK: usize = 4;
+    const TAIL: usize = 24;
+    let tokens = prompt(m);
+    let h2o = H2oConfig {
+        select: Selection::Coverage,
+        sink: SINK as u32,
+        dense_tail: TAIL as u32,
+        coverage,
+        tile_samples: samples,
+        ..H2oConfig::seed(L as u32, H as u32)
+    };
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    s.evaluate(&tokens).unwrap();
+    let captures = s.take_attention_captures().unwrap();
+    let final_sets = all_memory_sets(&s);
+    let params = H2oParams {
+        chunk: S,
+        local: L,
+        heavy: H,
+        select: Selection::Coverage,
+        sink: SINK,
+        tail_start: Some(N - TAIL),
+    };
+    let (mut max_err, mut max_v) = (0f64, 0f64);
+    for (&layer, sets) in s.h2o_layers().iter().zip(&final_sets) {
+        let t = layer_trace(&captures, layer);
+        let inputs: Vec<(Matrix, Matrix, Matrix)> =
+            (0..t.n_head).map(|h| t.head_inputs(h)).collect();
+        let group = t.n_head / t.n_head_kv;
+        let q: Vec<Matrix> = inputs.iter().map(|(q, _, _)| q.clone()).collect();
+        let k: Vec<Matrix> = inputs
+            .iter()
+            .step_by(group)
+            .map(|(_, k, _)| k.clone())
+            .collect();
+        let v: Vec<Matrix> = inputs
+            .iter()
+            .step_by(group)
+            .map(|(_, _, v)| v.clone())
+            .collect();
+        let cp = CoverageParams {
+            coverage: f64::from(coverage),
+            samples: samples as usize,
+        };
+        let r = h2o_attention_coverage(
+            &q,
+            &k,
+            &v,
+            t.scale,
+            &params,
+            &cp,
+            std::slice::from_ref(&(0..N)),
+        );
+        for (h, engine_set) in sets.iter().enumerate() {
+            let what = format!("coverage {coverage}, {samples} samples: layer {layer} head {h}");
+            assert_eq!(
+                engine_set,
+                &r[h].memory_sets[N / S - 1],
+                "{what}: memory of the last tile"
+            );
+            let (err, vmax) = assert_outputs_match(&t, h, &inputs[h].2, &r[h].output, &what);
+            max_err = max_err.max(err);
+            max_v = max_v.max(vmax);
+        }
+    }
+    eprintln!(
+        "coverage {coverage}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})"
+    );
 }

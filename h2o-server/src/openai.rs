@@ -852,7 +852,7 @@ mod tests {
         .unwrap_err();
         assert!(
             e.message
-                .contains("use one of h2o, query, query-mean, hybrid"),
+                .contains("use one of h2o, query, query-mean, hybrid, coverage"),
             "{}",
             e.message
         );

@@ -15,6 +15,7 @@ use std::ops::{Range, RangeInclusive};
 mod memory;
 mod select;
 mod softmax;
+mod tiles;
 
 pub use crate::session::Selection;
 pub use memory::{build_memory_set, MemorySet};
@@ -23,6 +24,10 @@ pub use select::{
 };
 pub(crate) use softmax::{attend, dot};
 pub use softmax::{dense_attention, merge_partial_softmax, Matrix, PartialSoftmax};
+pub use tiles::{
+    h2o_attention_coverage, select_by_tiles, tile_samples, tiles_of, CoverageParams, TileMemory,
+    BUDGET_STEP, MAX_HEAVY_FACTOR, TILE,
+};
 
 /// H2O parameters: chunk size S (`n_ubatch`), local window L, heavy budget H, and how the heavy
 /// part is chosen (`select`, with `sink` positions always kept inside H); queries from
@@ -165,7 +170,7 @@ pub fn h2o_attention_head_given_memory(
 /// the query itself) and to `memory` (inter), adds both attentions' column sums to `scores`, each softmax
 /// normalised over its own key set (SPEC item 4), and merges the two exactly. Returns the output
 /// row and the keys it attended to.
-fn attend_chunk_and_memory(
+pub(super) fn attend_chunk_and_memory(
     q: &[f64],
     k: &Matrix,
     v: &Matrix,

@@ -19,15 +19,21 @@ pub enum Selection {
     /// `hybrid`: half of the budget as `query`, the other half by accumulated attention (the seed
     /// rule's scores) among all other earlier positions.
     Hybrid,
+    /// `coverage`: every tile of 64 queries chooses its own memory, position by position, from
+    /// the exact attention of one query in 16 of it; the heavy budget is shared by all heads'
+    /// tiles of a chunk and goes where it covers the most estimated attention, until a tile's
+    /// estimate reaches [`H2oConfig::coverage`] (see README, "Where the attention is").
+    Coverage,
 }
 
 impl Selection {
     /// Every policy, in the order the CLI lists them.
-    pub const ALL: [Selection; 4] = [
+    pub const ALL: [Selection; 5] = [
         Selection::H2o,
         Selection::Query,
         Selection::QueryMean,
         Selection::Hybrid,
+        Selection::Coverage,
     ];
 
     /// The name `--h2o-select` takes.
@@ -38,6 +44,7 @@ impl Selection {
             Selection::Query => "query",
             Selection::QueryMean => "query-mean",
             Selection::Hybrid => "hybrid",
+            Selection::Coverage => "coverage",
         }
     }
 
@@ -48,6 +55,7 @@ impl Selection {
             Selection::Query => crate::sys::LLAMA_H2O_SELECT_QUERY,
             Selection::QueryMean => crate::sys::LLAMA_H2O_SELECT_QUERY_MEAN,
             Selection::Hybrid => crate::sys::LLAMA_H2O_SELECT_HYBRID,
+            Selection::Coverage => crate::sys::LLAMA_H2O_SELECT_COVERAGE,
         }
     }
 }
@@ -78,7 +86,7 @@ impl std::str::FromStr for Selection {
 /// H2O sparse-prefill parameters: the memory each chunk attends to holds the last `local`
 /// tokens before the chunk and `heavy` more chosen by `select`. `local = heavy = 0` turns H2O
 /// off.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct H2oConfig {
     /// L: recent tokens kept from the previous chunk.
     pub local: u32,
@@ -90,6 +98,28 @@ pub struct H2oConfig {
     pub sink: u32,
     /// The last `dense_tail` tokens of a prompt attend to the whole prompt (`--h2o-dense-tail`).
     pub dense_tail: u32,
+    /// [`Selection::Coverage`]: a tile takes no more budget once the attention its memory
+    /// covers, as estimated from its sampled queries, reaches this (`--h2o-coverage`), in (0, 1];
+    /// 1 spends the whole budget. The same for every sequence of a context.
+    pub coverage: f32,
+    /// [`Selection::Coverage`]: queries of each tile of 64 that attend to every earlier position
+    /// to choose its memory (`--h2o-tile-samples`): 1, 2, 4, 8, 16, 32 or 64. More choose better
+    /// and cost more. The same for every sequence of a context.
+    pub tile_samples: u32,
+}
+
+impl Default for H2oConfig {
+    fn default() -> Self {
+        Self {
+            local: 0,
+            heavy: 0,
+            select: Selection::default(),
+            sink: 0,
+            dense_tail: 0,
+            coverage: 1.0,
+            tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
+        }
+    }
 }
 
 impl H2oConfig {
@@ -115,17 +145,33 @@ impl H2oConfig {
             select: Self::RECOMMENDED_SELECT,
             sink: Self::RECOMMENDED_SINK.min(heavy),
             dense_tail: Self::RECOMMENDED_DENSE_TAIL,
+            coverage: 1.0,
+            tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
         }
     }
 
     pub const RECOMMENDED_SELECT: Selection = Selection::Hybrid;
     pub const RECOMMENDED_SINK: u32 = 4;
     pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
+    pub const RECOMMENDED_TILE_SAMPLES: u32 = 4;
 
     /// M = L + H, the memory set size.
     #[must_use]
     pub fn memory_size(&self) -> u64 {
         u64::from(self.local) + u64::from(self.heavy)
+    }
+
+    /// The policy as tables show it: its name and, for `coverage`, the tile samples and a target
+    /// below 1 (`coverage/4`, `coverage/16@0.95`).
+    #[must_use]
+    pub fn policy_label(&self) -> String {
+        match self.select {
+            Selection::Coverage if self.coverage < 1.0 => {
+                format!("coverage/{}@{}", self.tile_samples, self.coverage)
+            }
+            Selection::Coverage => format!("coverage/{}", self.tile_samples),
+            other => other.name().to_string(),
+        }
     }
 
     /// False for L = H = 0, which means stock attention.
@@ -276,6 +322,20 @@ impl SessionConfig {
                     "H2O sink --h2o-sink {} is larger than the heavy budget --h2o-heavy {}: the sink \
                      positions come out of that budget; lower the sink or raise the budget",
                     h2o.sink, h2o.heavy
+                ));
+            }
+            if !(h2o.coverage > 0.0 && h2o.coverage <= 1.0) {
+                return bad(format!(
+                    "H2O coverage --h2o-coverage {} must be in (0, 1]: the share of attention a tile's \
+                     memory should cover (1 spends the whole budget)",
+                    h2o.coverage
+                ));
+            }
+            if !(1..=64).contains(&h2o.tile_samples) || 64 % h2o.tile_samples != 0 {
+                return bad(format!(
+                    "H2O --h2o-tile-samples {} must divide the tile of 64 queries: use 1, 2, 4, 8, \
+                     16, 32 or 64",
+                    h2o.tile_samples
                 ));
             }
             if self.n_ctx > 0 && h2o.dense_tail > self.n_ctx {

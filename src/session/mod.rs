@@ -198,6 +198,8 @@ fn context_params(config: &SessionConfig) -> sys::llama_context_params {
         cp.h2o_select = h2o.select.to_sys();
         cp.h2o_sink = h2o.sink as i32; // <= heavy (validate())
         cp.h2o_dense_tail = i32::try_from(h2o.dense_tail).unwrap_or(i32::MAX);
+        cp.h2o_coverage = h2o.coverage;
+        cp.h2o_tile_samples = h2o.tile_samples as i32; // <= 64 (validate())
         cp.h2o_undo_log = config.h2o_undo_log;
     }
     cp

@@ -85,13 +85,15 @@ struct call_result {
 // one op call: queries of positions [p0, p0 + n) against the state
 call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const std::vector<float> & q_all,
         int32_t p0, int32_t n, int32_t mem_chunk, int32_t acc_chunk,
-        ggml_h2o_select select = GGML_H2O_SELECT_H2O, int32_t n_sink = 0, int32_t tail_start = INT32_MAX) {
+        ggml_h2o_select select = GGML_H2O_SELECT_H2O, int32_t n_sink = 0, int32_t tail_start = INT32_MAX,
+        float coverage = 1.0f) {
     ggml_init_params ip = { 4*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * q   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, n);
     ggml_tensor * out = ggml_h2o_attn(ctx, q, st.k, st.v, st.scores, st.mem_idx, st.acc,
             p0, sh.S, sh.L, sh.H, mem_chunk, acc_chunk, 1.0f/std::sqrt((float) sh.D));
     ggml_h2o_attn_set_select(out, select, n_sink, tail_start);
+    ggml_h2o_attn_set_coverage(out, coverage, 4);
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
 
@@ -239,6 +241,53 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
     }
 }
 
+// GGML_H2O_SELECT_COVERAGE: every head's tiles estimate, then all threads (or GPU blocks) share one allocation. On
+// the CPU with three threads against one it must be bit-identical (the barrier and the shared estimates at work).
+// The CUDA backend has no kernels for it yet and must refuse it (llama then refuses the context, naming the
+// backend); when it has them, it must agree with the CPU as the other cases do.
+void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, bool gpu, const shape & sh,
+        const std::vector<float> & q, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v, float max_v, bool exact) {
+    const int32_t S = sh.S;
+    const ggml_h2o_select cov = GGML_H2O_SELECT_COVERAGE;
+    const struct {
+        const char * what;
+        int32_t      n_sink;
+        int32_t      tail_start;
+        float        coverage;
+    } cases[] = {
+        { "one call, coverage, 4 sinks, tail of 24",        4, 3*S + 16,  1.0f },
+        { "one call, coverage target 0.9, no sink, no tail", 0, INT32_MAX, 0.9f },
+    };
+    for (const auto & c : cases) {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        const int32_t n = 3*S + 40;
+        const call_result ref = run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage);
+        const call_result got = run_call(other, got_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage);
+        if (gpu && !got.supported) {
+            std::printf("     %s: refused by %s (no kernels for this selection yet), as it must be\n", c.what, name);
+            continue;
+        }
+        compare(c.what, name, ref, got, sh, max_v, exact);
+    }
+    // two calls that split chunk 1: the second part's tiles choose again from their own rows
+    {
+        state ref_st(cpu, sh, kv_k, kv_v);
+        state got_st(other, sh, kv_k, kv_v);
+        const int32_t n1 = S + 50;
+        const int32_t n2 = 2*S + 40 - n1;
+        const call_result ref1 = run_call(cpu,   ref_st, sh, q, 0, n1, -1, -1, cov, 4);
+        const call_result got1 = run_call(other, got_st, sh, q, 0, n1, -1, -1, cov, 4);
+        if (gpu && !got1.supported) {
+            std::printf("     coverage, two calls: refused by %s, as it must be\n", name);
+        } else if (compare("coverage, call 1 of 2 ending inside chunk 1", name, ref1, got1, sh, max_v, exact)) {
+            compare("coverage, call 2 of 2 continuing chunk 1", name,
+                    run_call(cpu, ref_st, sh, q, n1, n2, 0, 1, cov, 4), run_call(other, got_st, sh, q, n1, n2, 0, 1, cov, 4),
+                    sh, max_v, exact);
+        }
+    }
+}
+
 } // namespace
 
 int main() {
@@ -275,6 +324,7 @@ int main() {
         const char * name = ggml_backend_dev_name(dev);
         std::printf("%s (%s)\n", name, ggml_backend_dev_description(dev));
         run_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
+        run_coverage_cases(cpu, gpu, name, true, sh, q, kv_k, kv_v, max_v, false);
         ggml_backend_free(gpu);
     }
 
@@ -286,6 +336,7 @@ int main() {
         ggml_backend_cpu_set_n_threads(cpu3, 3);
         std::printf("CPU, 3 threads (stands in for a GPU)\n");
         run_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
+        run_coverage_cases(cpu, cpu3, "CPU x3", false, sh, q, kv_k, kv_v, max_v, true);
         ggml_backend_free(cpu3);
         std::printf("skipped: no GPU backend in this build (build with --features cuda or scripts/gpu-test.sh)\n");
     }
