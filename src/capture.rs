@@ -50,6 +50,8 @@ pub struct AttentionCapture {
 #[derive(Debug, Default)]
 pub(crate) struct CaptureSink {
     captures: Mutex<CaptureLog>,
+    /// Only these model layers are copied (`None`: all); see `Session::capture_only_layers`.
+    layers: Mutex<Option<Vec<u32>>>,
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +71,20 @@ impl CaptureSink {
                 Err(e)
             }
             None => Ok(std::mem::take(&mut log.captures)),
+        }
+    }
+
+    pub(crate) fn set_layers(&self, layers: Option<Vec<u32>>) {
+        *self.layers.lock().unwrap_or_else(|e| e.into_inner()) = layers;
+    }
+
+    fn wants(&self, layer: Option<u32>) -> bool {
+        let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner());
+        match (&*layers, layer) {
+            (None, _) => true,
+            (Some(list), Some(l)) => list.contains(&l),
+            // a node whose name says no layer is read, so that read_h2o_node reports it
+            (Some(_), None) => true,
         }
     }
 
@@ -93,7 +109,7 @@ pub(crate) unsafe extern "C" fn eval_callback(
         return !ask;
     }
     if ask {
-        return true;
+        return sink.wants(node_layer(t));
     }
     // A panic must not unwind into C: turn it into the sink's error.
     let read = std::panic::catch_unwind(|| {
@@ -115,17 +131,24 @@ pub(crate) unsafe extern "C" fn eval_callback(
     true
 }
 
+/// The model layer of an H2O node, from its graph name `h2o_attn-<layer>`.
+#[cfg(not(feature = "stock"))]
+fn node_layer(t: &sys::ggml_tensor) -> Option<u32> {
+    // SAFETY: ggml names are NUL-terminated within their array.
+    let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_string_lossy();
+    name.strip_prefix("h2o_attn-")?.parse().ok()
+}
+
 /// Copies one `GGML_OP_H2O_ATTN` node (see `ggml_h2o_attn` for its layout).
 #[cfg(not(feature = "stock"))]
 unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String> {
     // SAFETY: the caller guarantees a computed node, so its sources are valid tensors.
     let (q, k, v) = unsafe { (&*t.src[0], &*t.src[1], &*t.src[2]) };
-    // SAFETY: ggml names are NUL-terminated within their array.
-    let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_string_lossy();
-    let layer = name
-        .strip_prefix("h2o_attn-")
-        .and_then(|s| s.parse::<u32>().ok())
-        .ok_or_else(|| format!("unexpected H2O node name {name:?}"))?;
+    let layer = node_layer(t).ok_or_else(|| {
+        // SAFETY: ggml names are NUL-terminated within their array.
+        let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_string_lossy();
+        format!("unexpected H2O node name {name:?}")
+    })?;
     if q.type_ != sys::GGML_TYPE_F32
         || k.type_ != sys::GGML_TYPE_F16
         || v.type_ != sys::GGML_TYPE_F16

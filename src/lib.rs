@@ -32,6 +32,7 @@ pub mod capture;
 #[cfg(feature = "charts")]
 pub mod chart;
 mod chat;
+pub mod coverage;
 pub mod default_model;
 pub mod demo;
 #[cfg(not(feature = "stock"))]

@@ -16,6 +16,7 @@ use h2o_llama::{
 
 /// Exit codes (documented in README): distinct per failure class.
 mod bench;
+mod coverage;
 mod eval;
 mod heavy_hitters;
 mod perplexity;
@@ -140,7 +141,8 @@ struct Cli {
 struct H2oPolicy {
     /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
     /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
-    /// keys), hybrid (half query, half accumulated attention)
+    /// keys), hybrid (half query, half accumulated attention), coverage (each tile of 64 queries
+    /// its own memory from sampled queries; budgets shared by the heads where they cover most)
     #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
     select: Selection,
     /// H2O: the first N positions always stay in memory (out of the heavy budget)
@@ -151,6 +153,14 @@ struct H2oPolicy {
     /// prompt covers all of it)
     #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
     dense_tail: u32,
+    /// H2O coverage policy: a tile takes no more budget once its memory covers this share of
+    /// its estimated attention, in (0, 1] (1: the whole budget -L + -H on average)
+    #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0)]
+    coverage: f32,
+    /// H2O coverage policy: queries of each tile of 64 that attend to every earlier position to
+    /// choose its memory (1, 2, 4, 8, 16, 32 or 64; more choose better and cost more)
+    #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
+    tile_samples: u32,
 }
 
 impl H2oPolicy {
@@ -159,6 +169,8 @@ impl H2oPolicy {
         h2o.select = self.select;
         h2o.sink = self.sink.unwrap_or(h2o.sink);
         h2o.dense_tail = self.dense_tail;
+        h2o.coverage = self.coverage;
+        h2o.tile_samples = self.tile_samples;
         h2o
     }
 
@@ -169,6 +181,8 @@ impl H2oPolicy {
             a.extend(["--h2o-sink".into(), sink.to_string()]);
         }
         a.extend(["--h2o-dense-tail".into(), self.dense_tail.to_string()]);
+        a.extend(["--h2o-coverage".into(), self.coverage.to_string()]);
+        a.extend(["--h2o-tile-samples".into(), self.tile_samples.to_string()]);
         a
     }
 }
@@ -207,6 +221,9 @@ enum Command {
     /// Long-context tasks (needles, multi-key, variable tracking, key-value lookup) answered by
     /// full attention and each H2O policy on the same prompts
     Eval(eval::EvalArgs),
+    /// How much of each query's attention each way of choosing the memory covers (oracles,
+    /// today's policies, estimators, budgets that follow coverage), on a text's real attention
+    Coverage(coverage::CoverageArgs),
 }
 
 #[derive(serde::Serialize)]
@@ -257,6 +274,7 @@ fn main() -> ExitCode {
         Some(Command::Perplexity(args)) => perplexity::run(args, interrupt.clone()),
         Some(Command::HeavyHitters(args)) => heavy_hitters::run(args, interrupt.clone()),
         Some(Command::Eval(args)) => eval::run(args, interrupt.clone()),
+        Some(Command::Coverage(args)) => coverage::run(args, interrupt.clone()),
         None => run(&cli, interrupt.clone()),
     };
     match result {

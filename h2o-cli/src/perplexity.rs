@@ -54,11 +54,11 @@ pub struct PerplexityArgs {
     // (help as an attribute: rustdoc would read the brackets as links)
     #[arg(
         long,
-        value_name = "L:H[:P[:S[:T]]],..",
+        value_name = "L:H[:P[:S[:T[:N]]]],..",
         value_delimiter = ',',
         value_parser = parse_shape,
-        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL]]], comma-separated, \
-                omitted parts as the library recommends; e.g. 512:0,0:512 for local-only and heavy-only \
+        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES]]]], \
+                comma-separated, omitted parts as the library recommends; e.g. 512:0,0:512 for local-only and heavy-only \
                 at the same M as 256:256), against the same full attention, and print one row per shape \
                 (the main shape first; a shape named twice is scored once)"
     )]
@@ -72,9 +72,10 @@ pub struct PerplexityArgs {
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     let parts: Vec<&str> = s.split(':').collect();
-    if !(2..=5).contains(&parts.len()) {
+    if !(2..=6).contains(&parts.len()) {
         return Err(format!(
-            "{s:?}: write an H2O shape as L:H[:POLICY[:SINK[:TAIL]]], e.g. 256:256 or 256:256:h2o:0:0"
+            "{s:?}: write an H2O shape as L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES]]]], e.g. 256:256, \
+             256:256:h2o:0:0 or 256:256:coverage:4:64:16"
         ));
     }
     let n = |v: &str| {
@@ -91,6 +92,9 @@ fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     }
     if let Some(v) = parts.get(4) {
         shape.dense_tail = n(v)?;
+    }
+    if let Some(v) = parts.get(5) {
+        shape.tile_samples = n(v)?;
     }
     if !shape.is_enabled() {
         return Err(format!(
@@ -214,7 +218,11 @@ fn table(r: &Report) -> String {
         match r.h2o {
             Some(h) => format!(
                 "H2O L = {} H = {}, {} sink {} tail {}",
-                h.local, h.heavy, h.select, h.sink, h.dense_tail
+                h.local,
+                h.heavy,
+                h.policy_label(),
+                h.sink,
+                h.dense_tail
             ),
             None => "full attention only (H2O off)".into(),
         }
@@ -233,7 +241,7 @@ fn table(r: &Report) -> String {
                 shape.h2o.local,
                 shape.h2o.heavy,
                 shape.h2o.memory_size(),
-                shape.h2o.select,
+                shape.h2o.policy_label(),
                 shape.h2o.sink,
                 shape.h2o.dense_tail,
                 p.ppl_h2o,
@@ -297,7 +305,7 @@ fn far_table(f: &FarContext) -> String {
             "| H2O L {} H {} {} sink {} tail {} | all | {:.4} | {:.1} % |\n",
             h.h2o.local,
             h.h2o.heavy,
-            h.h2o.select,
+            h.h2o.policy_label(),
             h.h2o.sink,
             h.h2o.dense_tail,
             h.ppl,

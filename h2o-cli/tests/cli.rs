@@ -159,7 +159,7 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
         (
             &["-p", "x", "--h2o-select", "nope"],
             2,
-            "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean, hybrid",
+            "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean, hybrid, coverage",
         ),
         (
             &[
@@ -190,6 +190,50 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             ],
             3,
             "is longer than the context -c 512",
+        ),
+        (
+            &[
+                "-p",
+                "x",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-select",
+                "coverage",
+                "--h2o-coverage",
+                "0",
+            ],
+            3,
+            "H2O coverage --h2o-coverage 0 must be in (0, 1]",
+        ),
+        (
+            &[
+                "-p",
+                "x",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-coverage",
+                "1.5",
+            ],
+            3,
+            "H2O coverage --h2o-coverage 1.5 must be in (0, 1]",
+        ),
+        (
+            &[
+                "-p",
+                "x",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-tile-samples",
+                "3",
+            ],
+            3,
+            "--h2o-tile-samples 3 must divide the tile of 64 queries",
         ),
     ];
     for (args, code, needle) in cases {
@@ -462,6 +506,65 @@ fn heavy_hitters_reports_selections_and_their_stability() {
     }
     // the second run differs only in batching and thread count
     assert!(r["run_to_run_jaccard_min"].as_f64().unwrap() > 0.9, "{r}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `h2o-cli coverage`: on a real model's attention, the oracles rank as they must (a set per
+/// query covers at least what a set per tile does, and that at least what one per chunk does, at
+/// the same budget), budgets that follow coverage keep the average, and estimators report a cost.
+#[test]
+fn coverage_study_orders_the_oracles_and_keeps_the_average_budget() {
+    let dir = common::scratch("coverage");
+    let text = dir.join("text.txt");
+    std::fs::write(&text, h2o_llama::demo::prompt(30)).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
+        .arg("coverage")
+        .arg("-m")
+        .arg(common::model_path())
+        .arg("-f")
+        .arg(&text)
+        .args(["-c", "768", "--ubatch-size", "256", "--h2o-local", "32"])
+        .args(["--h2o-heavy", "96", "--layers", "3,17", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["n_tokens"], 768);
+    assert_eq!(r["layers"].as_array().unwrap().len(), 2);
+    let rows = r["rows"].as_array().unwrap();
+    let find = |strategy: &str, budget: &str| -> &serde_json::Value {
+        rows.iter()
+            .find(|x| x["strategy"] == strategy && x["budget"] == budget)
+            .unwrap_or_else(|| panic!("no row {strategy} / {budget} in {r}"))
+    };
+    let mean =
+        |strategy: &str, budget: &str| find(strategy, budget)["coverage_mean"].as_f64().unwrap();
+    let (chunk, tile, query) = (
+        mean("oracle: per chunk", "fixed"),
+        mean("oracle: per tile", "fixed"),
+        mean("oracle: per query", "fixed"),
+    );
+    assert!(
+        chunk <= tile + 1e-6 && tile <= query + 1e-6,
+        "{chunk} {tile} {query}"
+    );
+    assert!(query <= 1.0 + 1e-6 && chunk > 0.5, "{r}");
+    for row in rows {
+        let m = row["coverage_mean"].as_f64().unwrap();
+        assert!((0.0..=1.0 + 1e-6).contains(&m), "{row}");
+        assert!(m <= query + 1e-6 || row["granularity"] != "query", "{row}");
+    }
+    // budgets that follow coverage spread around the average, which stays M = 128
+    let moved = find("sampled queries (1 in 16) per tile", "across heads");
+    let spread: Vec<u64> = moved["budget_spread"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert!(spread[0] <= 128 && spread[2] >= 128, "{moved}");
+    assert!(moved["cost_share"].as_f64().unwrap() > 0.0, "{moved}");
+    assert_eq!(find("oracle: per chunk", "fixed")["cost_share"], 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -122,7 +122,8 @@ struct Cli {
     h2o_heavy: i64,
     /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
     /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
-    /// keys), hybrid (half query, half accumulated attention)
+    /// keys), hybrid (half query, half accumulated attention), coverage (each tile of 64 queries
+    /// its own memory from sampled queries; budgets shared by the heads where they cover most)
     #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
     h2o_select: Selection,
     /// H2O: the first N positions always stay in memory (out of the heavy budget)
@@ -133,6 +134,14 @@ struct Cli {
     /// prompt covers all of it)
     #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
     h2o_dense_tail: u32,
+    /// H2O coverage policy: a tile takes no more budget once its memory covers this share of
+    /// its estimated attention, in (0, 1] (1: the whole budget)
+    #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0)]
+    h2o_coverage: f32,
+    /// H2O coverage policy: queries of each tile of 64 that attend to every earlier position to
+    /// choose its memory (1, 2, 4, 8, 16, 32 or 64)
+    #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
+    h2o_tile_samples: u32,
     /// Echo llama.cpp's own log to stderr
     #[arg(short = 'v', long)]
     verbose: bool,
@@ -219,6 +228,8 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     h2o.select = cli.h2o_select;
     h2o.sink = cli.h2o_sink.unwrap_or(h2o.sink);
     h2o.dense_tail = cli.h2o_dense_tail;
+    h2o.coverage = cli.h2o_coverage;
+    h2o.tile_samples = cli.h2o_tile_samples;
     let h2o = h2o.is_enabled().then_some(h2o);
 
     if cli.parallel == 0 {

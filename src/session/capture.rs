@@ -2,7 +2,7 @@
 //! the layer-by-layer proof against [`crate::reference`].
 
 use super::Session;
-use crate::capture::AttentionCapture;
+use crate::capture::{AttentionCapture, CaptureSink};
 use crate::error::{Error, Result};
 
 impl Session<'_> {
@@ -13,11 +13,27 @@ impl Session<'_> {
     /// [`Error::InvalidConfig`] when the session was created without
     /// [`SessionConfig::capture_attention`](crate::SessionConfig::capture_attention); [`Error::Capture`] when a node could not be read.
     pub fn take_attention_captures(&mut self) -> Result<Vec<AttentionCapture>> {
-        let sink = self.capture.as_ref().ok_or_else(|| {
+        let sink = self.capture_sink()?;
+        sink.take().map_err(Error::Capture)
+    }
+
+    /// Limits attention capture to these model layers (`None`: every layer), so that a long
+    /// prompt's capture holds only what a study reads; takes effect from the next call.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the session was created without
+    /// [`SessionConfig::capture_attention`](crate::SessionConfig::capture_attention).
+    pub fn capture_only_layers(&mut self, layers: Option<Vec<u32>>) -> Result<()> {
+        let sink = self.capture_sink()?;
+        sink.set_layers(layers);
+        Ok(())
+    }
+
+    fn capture_sink(&self) -> Result<&CaptureSink> {
+        self.capture.as_deref().ok_or_else(|| {
             Error::InvalidConfig(
                 "attention capture is off: create the session with capture_attention = true".into(),
             )
-        })?;
-        sink.take().map_err(Error::Capture)
+        })
     }
 }

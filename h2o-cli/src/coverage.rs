@@ -1,0 +1,146 @@
+//! `h2o-cli coverage`: the headroom study of memory selection (`h2o_llama::coverage`). It
+//! captures queries and keys of a full-attention prefill of the text, then prints how much of
+//! each query's attention every way of choosing the memory covers, at the same average budget.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use h2o_llama::coverage::{self, Report, StudyConfig};
+use h2o_llama::Token;
+
+#[derive(clap::Args, Debug)]
+pub struct CoverageArgs {
+    /// Text to study (UTF-8)
+    #[arg(short = 'f', long, value_name = "FILE")]
+    file: PathBuf,
+    /// Tokens of the text to use (from its start)
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        value_name = "N",
+        default_value_t = 8192
+    )]
+    n_tokens: usize,
+    /// Model file (GGUF) or a known model's name [default: the default model]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Model layers to study, comma-separated [default: every layer with an H2O op]
+    #[arg(long, value_delimiter = ',', value_name = "L,..")]
+    layers: Option<Vec<u32>>,
+    /// Chunk size S
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 1024)]
+    ubatch_size: usize,
+    /// L of the memory M = L + H, the average budget
+    #[arg(long, value_name = "L", default_value_t = 256)]
+    h2o_local: usize,
+    /// H of the memory M = L + H
+    #[arg(long, value_name = "H", default_value_t = 256)]
+    h2o_heavy: usize,
+    /// Sinks the estimators and today's query and hybrid policies keep
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    h2o_sink: usize,
+    /// Queries per tile for per-tile choices
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    tile: usize,
+    /// Positions per block for block-wise choices
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    block: usize,
+    /// Measure the queries of chunks from this one on
+    #[arg(long, value_name = "C", default_value_t = 1)]
+    first_chunk: usize,
+    /// CPU threads
+    #[arg(short = 't', long, default_value_t = 2)]
+    threads: u32,
+    /// Print one JSON record instead of the tables
+    #[arg(long)]
+    json: bool,
+    /// Instead of coverage: each query's attention-output error against full attention, for a
+    /// tile memory with the rest dropped or stood in for by block summaries
+    #[arg(long)]
+    output_error: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Record<'a> {
+    model: String,
+    text: String,
+    #[serde(flatten)]
+    report: &'a Report,
+}
+
+pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    let config = StudyConfig {
+        chunk: args.ubatch_size,
+        local: args.h2o_local,
+        heavy: args.h2o_heavy,
+        sink: args.h2o_sink,
+        tile: args.tile,
+        block: args.block,
+        first_chunk: args.first_chunk,
+    };
+    // bad parameters fail here, before any download or model load
+    config.validate()?;
+    let text = crate::read_text_file(&args.file, "text file")?;
+    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let mut tokens: Vec<Token> = model.tokenize(&text, true, false)?;
+    if tokens.len() < args.n_tokens {
+        anyhow::bail!(
+            "{} has {} tokens, fewer than -c {}: use a longer text or a smaller -c",
+            args.file.display(),
+            tokens.len(),
+            args.n_tokens
+        );
+    }
+    tokens.truncate(args.n_tokens);
+    let talk = !args.json;
+    if talk {
+        eprintln!(
+            "h2o-cli coverage: full-attention prefill of {} tokens, capturing Q and K",
+            tokens.len()
+        );
+    }
+    let layers = coverage::capture_dense(&model, &tokens, args.layers.as_deref(), args.threads)
+        .context("capturing the attention")?;
+    if args.output_error {
+        let rows = coverage::remainder::output_errors(&layers, &config, args.threads as usize);
+        println!("| memory | far positions left out | output error, mean | p90 | extra keys per query |\n|---|---|---:|---:|---:|");
+        for r in rows {
+            println!(
+                "| {} | {} | {:.4} | {:.4} | {:.0} |",
+                r.choice, r.remainder, r.error_mean, r.error_p90, r.extra_keys
+            );
+        }
+        return Ok(());
+    }
+    let show = talk && std::io::stderr().is_terminal();
+    let report = coverage::run(&layers, &config, args.threads as usize, |done, total| {
+        if show {
+            eprint!("\r\x1b[Kcoverage: {done}/{total} heads");
+        } else if talk && done == total {
+            eprintln!("h2o-cli coverage: {total} heads studied");
+        }
+    })?;
+    if show {
+        eprint!("\r\x1b[K");
+    }
+    let record = Record {
+        model: model.path().display().to_string(),
+        text: args.file.display().to_string(),
+        report: &report,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&record)?);
+    } else {
+        println!(
+            "model {}, text {}, layers {:?}\n",
+            record.model,
+            record.text,
+            layers.iter().map(|l| l.layer).collect::<Vec<_>>()
+        );
+        print!("{}", report.markdown());
+    }
+    Ok(())
+}
