@@ -11,10 +11,12 @@
 # There (each step keeps what it made, and every file it was carried, in $TMPDIR/h2o-gpu, so that a later
 # call of the same warm machine needs to carry only what it adds):
 #
-#   scripts/gpu-test.sh kernels  # nvcc alone, ~10 s: tests/cpp/bench-h2o-cuda-op.cu, the H2O kernels against
-#                                # each other and the memory-set rule, and their time per layer-chunk
+#   scripts/gpu-test.sh kernels  # nvcc alone, ~30 s: tests/cpp/bench-h2o-cuda-op.cu, the H2O kernels against
+#                                # each other, the memory-set rule and (coverage selection) the tile-memory rule,
+#                                # and their time per layer-chunk
 #   scripts/gpu-test.sh build    # cmake: llama.cpp + ggml with CUDA for the native GPU (all cores, ~5 min on
 #                                # 16), the three test programs and the prefill bench
+#   scripts/gpu-test.sh backends # build if needed, then test-h2o-backends alone (no model needed)
 #   scripts/gpu-test.sh run      # build if needed, then
 #        test-h2o-backends       #   GGML_OP_H2O_ATTN on CUDA against the CPU backend, op by op
 #        test-h2o-offload MODEL  #   the H2O prefill with -ngl 99 against the CPU: placement, logits, memory
@@ -33,6 +35,8 @@
 #       carry=["target/gpu"])   # after `pack`, target/gpu holds all but model.gguf.part-ab (kept aside by pack)
 #   run(command="bash scripts/gpu-test.sh run && bash scripts/gpu-test.sh bench llama-3-8b:8 ... && ...",
 #       carry=["target/gpu-b"]) # the second half of the default model
+#   run(command="bash scripts/gpu-test.sh kernels; bash scripts/gpu-test.sh backends", carry=["target/gpu"])
+#                               # the op's kernels alone, every policy (coverage selection included), ~6.5 min
 # Where Rust is available with the GPU, the end-to-end checks are the Rust tests and `h2o-cli bench -ngl 99`
 # of a `cargo build --release --features cuda` build (README, CUDA).
 set -euo pipefail
@@ -128,7 +132,7 @@ kernels)
         "$work/src/h2o-tests/bench-h2o-cuda-op.cu" -o "$work/bin/bench-h2o-cuda-op"
     "$work/bin/bench-h2o-cuda-op"
     ;;
-build|run)
+build|run|backends)
     unpack
     if [ ! -f "$work/build/CMakeCache.txt" ]; then
         command -v nvcc > /dev/null || { echo "gpu-test.sh: nvcc not found: this step needs the CUDA toolkit" >&2; exit 1; }
@@ -162,6 +166,11 @@ build|run)
         done
     fi
     [ "$1" = build ] && { echo "built in $work" >&2; exit 0; }
+    if [ "$1" = backends ]; then
+        nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+        echo "== test-h2o-backends" >&2
+        exec "$work/bin/test-h2o-backends"
+    fi
 
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     model=$(default_model)
@@ -206,7 +215,7 @@ bench)
         -ngl 99 -fa on --json "$out"
     ;;
 *)
-    sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

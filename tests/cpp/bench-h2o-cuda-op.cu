@@ -1,7 +1,9 @@
 // The CUDA kernels of GGML_OP_H2O_ATTN on their own, without the rest of ggml-cuda (which takes minutes to
 // build): a check of the tensor-core path against the first, F32 kernel that test-h2o-backends proved against
-// the CPU, a check of the memory-set build against the rule written out on the host, and the time of one
-// layer-chunk per kernel, for the head shapes of the models we measure.
+// the CPU, a check of the memory-set build against the rule written out on the host, the same two for coverage
+// selection (both attention paths with each tile's memory; each tile's memory against the rule of
+// src/reference/tiles.rs written out on the host in double), and the time of one layer-chunk per kernel, for the
+// head shapes of the models we measure.
 //
 //   nvcc -std=c++17 -O3 -use_fast_math -arch=sm_90 -I<patched llama.cpp>/ggml/src/ggml-cuda \
 //        tests/cpp/bench-h2o-cuda-op.cu -o bench-h2o-cuda-op
@@ -77,6 +79,15 @@ struct layer {
     dev_buf<uint16_t> scores;
     dev_buf<int32_t>  mem;
     dev_buf<float>    acc, dst;
+    std::vector<float> hq; // the host's copies of q and k (the coverage rule on the host reads them)
+    std::vector<half>  hk;
+
+    // the memory selection of every call (default: the seed rule)
+    int   select     = 0;
+    int   n_sink     = 0;
+    int   tail_start = INT32_MAX;
+    float coverage   = 1.0f;
+    int   n_sample   = 4;
 
     layer(const head_shape & sh_, int S_, int L_, int H_, int N_, uint32_t seed) :
         sh(sh_), S(S_), L(L_), H(H_), N(N_), kv_size(N_),
@@ -86,12 +97,13 @@ struct layer {
         std::mt19937 rng(seed);
         std::normal_distribution<float> nd(0.0f, 1.0f);
         // keys with a shared direction per KV head, so that attention is peaked as in a trained model
-        std::vector<float> hq(q.n);
+        hq.resize(q.n);
         for (auto & x : hq) {
             x = nd(rng)*1.5f;
         }
         q.upload(hq);
-        std::vector<half> hk(k.n), hv(v.n);
+        hk.resize(k.n);
+        std::vector<half> hv(v.n);
         for (size_t i = 0; i < hk.size(); ++i) {
             hk[i] = __float2half(nd(rng));
             hv[i] = __float2half(nd(rng));
@@ -130,6 +142,11 @@ struct layer {
         a.p0 = p0; a.S = S; a.L = L; a.H = H;
         a.mem_chunk = st.mem_chunk; a.acc_chunk = st.acc_chunk;
         a.scale = 1.0f/std::sqrt((float) D);
+        a.select     = select;
+        a.n_sink     = n_sink;
+        a.tail_start = tail_start;
+        a.coverage   = coverage;
+        a.n_sample   = n_sample;
         int dev = 0;
         CUDA_OK(cudaGetDevice(&dev));
         int smpbo = 0;
@@ -420,6 +437,304 @@ void check_build(int n_cases) {
     std::printf("  memory-set build against the rule: %d of %d random cases identical\n", n_ok, n_cases);
 }
 
+// Coverage selection, both paths from the empty state, with the same calls: the tensor cores (the selection's logits
+// and the attention) against F32 (the selection's logits on the CUDA cores, h2o_attn_generic). Both selections are as
+// exact as F32 products, so the memory sets may differ only where a near-tie flips (slots counted and bounded as in
+// test-h2o-backends); with identical sets outputs agree to F16 precision and scores to a BF16 step.
+void check_coverage_paths(const head_shape & sh, int S, int L, int H, int N, const std::vector<int> & ends, int n_sink,
+        int tail_start, float coverage, int n_sample) {
+    layer ly(sh, S, L, H, N, 5678);
+    ly.select     = H2O_COV_SELECT;
+    ly.n_sink     = n_sink;
+    ly.tail_start = tail_start;
+    ly.coverage   = coverage;
+    ly.n_sample   = n_sample;
+    ly.prefill(ends, H2O_CUDA_KERNEL_GENERIC);
+    const auto out_ref = ly.dst.download();
+    const auto mem_ref = ly.mem.download();
+    const auto sc_ref  = ly.scores.download();
+    ly.prefill(ends, H2O_CUDA_KERNEL_AUTO);
+    const auto out = ly.dst.download();
+    const auto mem = ly.mem.download();
+    const auto sc  = ly.scores.download();
+    double err2 = 0.0, ref2 = 0.0, max_rel = 0.0;
+    size_t n_nan = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+        if (!std::isfinite(out[i])) {
+            ++n_nan;
+            continue;
+        }
+        err2 += ((double) out[i] - out_ref[i])*((double) out[i] - out_ref[i]);
+        ref2 += (double) out_ref[i]*out_ref[i];
+    }
+    for (size_t i = 0; i < sc.size(); ++i) {
+        const float a = bf16_to_f32(sc[i]), b = bf16_to_f32(sc_ref[i]);
+        max_rel = std::max(max_rel, (double) std::fabs(a - b)/std::max(std::fabs(b), 1e-30f));
+    }
+    size_t n_slots_diff = 0;
+    for (size_t i = 0; i < mem.size(); ++i) {
+        n_slots_diff += mem[i] != mem_ref[i];
+    }
+    const double nmse = err2/std::max(ref2, 1e-30);
+    const bool   same = n_slots_diff == 0;
+    std::printf("  %-34s S %4d L %3d H %3d N %5d in %zu calls, coverage %.2f, %d samples, %d sinks: tensor cores against F32: "
+            "out NMSE %.2e, NaN %zu, scores max rel %.4f, memory slots differing %zu of %zu\n", sh.name, S, L, H, N,
+            ends.size(), coverage, n_sample, n_sink, nmse, n_nan, max_rel, n_slots_diff, mem.size());
+    CHECK(n_nan == 0, "%s: %zu outputs not written or not finite", sh.name, n_nan);
+    CHECK(n_slots_diff <= mem.size()/50, "%s: coverage: %zu memory slots of the two paths differ", sh.name, n_slots_diff);
+    CHECK(!same || nmse < 1e-5, "%s: coverage: output NMSE %.3e with identical memory sets", sh.name, nmse);
+    CHECK(!same || max_rel <= 1.0/128, "%s: coverage: a score moved by %.4f relative with identical memory sets", sh.name, max_rel);
+}
+
+// the coverage rule on the host, in double (src/reference/tiles.rs): one unit's (head h, tile of rows [r0, r1) from t0)
+// ranked candidates and its estimate after 0 .. n_steps budget steps
+struct cov_unit {
+    std::vector<int>    ranked;
+    std::vector<double> est;
+};
+
+// the softmax of query row i of head h over the keys, as probabilities
+std::vector<double> cov_softmax(const layer & ly, int h, int i, const std::vector<int> & keys) {
+    const head_shape & sh = ly.sh;
+    const int    D     = sh.D;
+    const double scale = 1.0/std::sqrt((double) D);
+    const float * qr = ly.hq.data() + ((size_t) i*sh.n_head + h)*D;
+    std::vector<double> p(keys.size());
+    double mx = -INFINITY;
+    for (size_t m = 0; m < keys.size(); ++m) {
+        const half * kr = ly.hk.data() + ((size_t) keys[m]*sh.n_head_kv + h/(sh.n_head/sh.n_head_kv))*D;
+        double dot = 0.0;
+        for (int d = 0; d < D; ++d) {
+            dot += (double) qr[d]*(double) __half2float(kr[d]);
+        }
+        p[m] = dot*scale;
+        mx = std::max(mx, p[m]);
+    }
+    double z = 0.0;
+    for (double & x : p) {
+        x = std::exp(x - mx);
+        z += x;
+    }
+    for (double & x : p) {
+        x /= z;
+    }
+    return p;
+}
+
+cov_unit coverage_unit_rule(const layer & ly, int h, int t0, int r0, int r1, int cs, const std::vector<int> & forced,
+        int sink_end, int local_start, int n_rank, int n_steps) {
+    const int every = H2O_COV_TILE/ly.n_sample;
+    std::vector<int> samples;
+    for (int i = r0; i < r1; ++i) {
+        if ((i - t0) % every == every - 1) {
+            samples.push_back(i);
+        }
+    }
+    if (samples.empty()) {
+        samples.push_back(r1 - 1);
+    }
+    // the proposal: the candidates by the samples' summed attention, ties to the lower position
+    std::vector<std::pair<double, int>> score;
+    for (int j = sink_end; j < local_start; ++j) {
+        score.push_back({0.0, j});
+    }
+    for (int i : samples) {
+        std::vector<int> keys(i + 1);
+        for (int j = 0; j <= i; ++j) {
+            keys[j] = j;
+        }
+        const auto p = cov_softmax(ly, h, i, keys);
+        for (auto & sc : score) {
+            sc.first += p[sc.second];
+        }
+    }
+    std::sort(score.begin(), score.end(), [](const auto & x, const auto & y) {
+        return x.first > y.first || (x.first == y.first && x.second < y.second);
+    });
+    std::vector<int> proposed;
+    for (int m = 0; m < n_rank; ++m) {
+        proposed.push_back(score[m].second);
+    }
+    // every row over its chunk, the forced positions and the proposal
+    std::vector<double> base(r1 - r0, 0.0);
+    std::vector<std::vector<double>> pp(r1 - r0);
+    for (int i = r0; i < r1; ++i) {
+        std::vector<int> keys;
+        for (int j = cs; j <= i; ++j) {
+            keys.push_back(j);
+        }
+        keys.insert(keys.end(), forced.begin(), forced.end());
+        keys.insert(keys.end(), proposed.begin(), proposed.end());
+        const auto p = cov_softmax(ly, h, i, keys);
+        const size_t n_base = keys.size() - proposed.size();
+        for (size_t m = 0; m < n_base; ++m) {
+            base[i - r0] += p[m];
+        }
+        pp[i - r0].assign(p.begin() + n_base, p.end());
+    }
+    // the ranking by the tile's summed attention, ties to the lower position, and the estimate
+    std::vector<std::pair<double, int>> order;
+    for (int m = 0; m < n_rank; ++m) {
+        double sum = 0.0;
+        for (const auto & p : pp) {
+            sum += p[m];
+        }
+        order.push_back({sum, m});
+    }
+    std::sort(order.begin(), order.end(), [&](const auto & x, const auto & y) {
+        return x.first > y.first || (x.first == y.first && proposed[x.second] < proposed[y.second]);
+    });
+    cov_unit u;
+    for (const auto & o : order) {
+        u.ranked.push_back(proposed[o.second]);
+    }
+    for (int g = 0; g <= n_steps; ++g) {
+        double sum = 0.0;
+        for (int r = 0; r < r1 - r0; ++r) {
+            sum += base[r];
+            for (int m = 0; m < std::min(g*H2O_COV_STEP, n_rank); ++m) {
+                sum += pp[r][order[m].second];
+            }
+        }
+        u.est.push_back(sum/(r1 - r0));
+    }
+    return u;
+}
+
+// the budget, one step at a time to the largest gain (ties to the lower unit), among units below the target
+std::vector<int> coverage_spend(const std::vector<cov_unit> & units, int n_steps, size_t total, float coverage) {
+    std::vector<int> given(units.size(), 0);
+    for (; total > 0; --total) {
+        int    best      = -1;
+        double best_gain = 0.0;
+        for (size_t u = 0; u < units.size(); ++u) {
+            const auto & e = units[u].est;
+            if (given[u] < n_steps && e[given[u]] < (double) coverage) {
+                const double gain = e[given[u] + 1] - e[given[u]];
+                if (best < 0 || gain > best_gain) {
+                    best      = (int) u;
+                    best_gain = gain;
+                }
+            }
+        }
+        if (best < 0) {
+            break;
+        }
+        given[best]++;
+    }
+    return given;
+}
+
+// the memory of every tile of the call's rows [i_begin, i_end) of the chunk at cs, per head, ascending; kept[h]: the
+// last tile's at the average budget, padded to L + H
+std::vector<std::vector<std::vector<int32_t>>> coverage_rule(const layer & ly, int cs, int i_begin, int i_end,
+        std::vector<std::vector<int32_t>> & kept) {
+    const int L           = ly.L;
+    const int H           = ly.H;
+    const int local_start = std::max(cs - L, 0);
+    const int sink_end    = std::min(ly.n_sink, local_start);
+    const int heavy       = std::max(H - sink_end, 0);
+    const int n_rank      = std::min(local_start - sink_end, H2O_COV_FACTOR*H);
+    const int n_steps     = (n_rank + H2O_COV_STEP - 1)/H2O_COV_STEP;
+    std::vector<int> forced;
+    for (int p = 0; p < sink_end; ++p) {
+        forced.push_back(p);
+    }
+    for (int p = local_start; p < cs; ++p) {
+        forced.push_back(p);
+    }
+    const int t_first = cs + (i_begin - cs)/H2O_COV_TILE*H2O_COV_TILE;
+    const int n_t     = (i_end - t_first + H2O_COV_TILE - 1)/H2O_COV_TILE;
+    std::vector<cov_unit> units;
+    for (int h = 0; h < ly.sh.n_head; ++h) {
+        for (int ti = 0; ti < n_t; ++ti) {
+            const int t0 = t_first + ti*H2O_COV_TILE;
+            units.push_back(coverage_unit_rule(ly, h, t0, std::max(t0, i_begin), std::min(t0 + H2O_COV_TILE, i_end), cs,
+                    forced, sink_end, local_start, n_rank, n_steps));
+        }
+    }
+    const std::vector<int> given = coverage_spend(units, n_steps, units.size()*heavy/H2O_COV_STEP, ly.coverage);
+
+    std::vector<std::vector<std::vector<int32_t>>> out(ly.sh.n_head);
+    kept.assign(ly.sh.n_head, {});
+    for (size_t u = 0; u < units.size(); ++u) {
+        const int h  = (int) u/n_t;
+        const int ti = (int) u%n_t;
+        std::vector<int32_t> m(forced.begin(), forced.end());
+        m.insert(m.end(), units[u].ranked.begin(), units[u].ranked.begin() + std::min(given[u]*H2O_COV_STEP, n_rank));
+        std::sort(m.begin(), m.end());
+        out[h].push_back(m);
+        if (ti == n_t - 1) {
+            std::vector<int32_t> k(forced.begin(), forced.end());
+            k.insert(k.end(), units[u].ranked.begin(), units[u].ranked.begin() + std::min(heavy, n_rank));
+            std::sort(k.begin(), k.end());
+            k.resize(L + H, -1);
+            kept[h] = k;
+        }
+    }
+    return out;
+}
+
+// One call over rows [i_begin, i_end) of chunk c on the GPU, every tile's memory (read from the op's scratch) against the
+// rule on the host. Float sums on the GPU against double ones on the host may rank a near-tie the other way, so a few
+// tiles may differ; a wrong kernel makes most of them differ. kernel: AUTO, the selection's logits on the tensor cores
+// (head sizes 64, 128); GENERIC, in F32.
+void check_coverage_rule(const head_shape & sh, int S, int L, int H, int c, int i_begin, int i_end, int n_sink,
+        float coverage, int n_sample, h2o_cuda_kernel kernel) {
+    const int cs = c*S;
+    layer ly(sh, S, L, H, (c + 1)*S, 2468 + c);
+    ly.select   = H2O_COV_SELECT;
+    ly.n_sink   = n_sink;
+    ly.coverage = coverage;
+    ly.n_sample = n_sample;
+    h2o_cuda_args a = ly.args(i_begin, i_end - i_begin, {c - 1, i_begin > cs ? c : -1});
+    h2o_cuda_plan plan;
+    const char * err = h2o_cuda_make_plan(a, kernel, &plan);
+    CHECK(err == nullptr, "%s: no plan: %s", sh.name, err ? err : "");
+    if (err) {
+        return;
+    }
+    dev_buf<float> partial(plan.partial_floats);
+    h2o_cuda_run(a, plan, partial.ptr, 0);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    h2o_cov_scratch s;
+    h2o_cov_layout(a, plan, (char *) partial.ptr, &s);
+    const int n_t = (i_end - (cs + (i_begin - cs)/H2O_COV_TILE*H2O_COV_TILE) + H2O_COV_TILE - 1)/H2O_COV_TILE;
+    const int Mt  = plan.cov_mem;
+    std::vector<int32_t> mem_t((size_t) n_t*sh.n_head*Mt), mem_n((size_t) n_t*sh.n_head);
+    CUDA_OK(cudaMemcpy(mem_t.data(), s.mem_t, mem_t.size()*sizeof(int32_t), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(mem_n.data(), s.mem_n, mem_n.size()*sizeof(int32_t), cudaMemcpyDeviceToHost));
+    const auto kept_got = ly.mem.download();
+
+    std::vector<std::vector<int32_t>> kept;
+    const auto want = coverage_rule(ly, cs, i_begin, i_end, kept);
+    int n_diff = 0, n_kept_diff = 0;
+    size_t n_pos_diff = 0;
+    for (int h = 0; h < sh.n_head; ++h) {
+        for (int ti = 0; ti < n_t; ++ti) {
+            const size_t u = (size_t) ti*sh.n_head + h;
+            const std::vector<int32_t> got(mem_t.begin() + u*Mt, mem_t.begin() + u*Mt + mem_n[u]);
+            if (got != want[h][ti]) {
+                ++n_diff;
+                std::vector<int32_t> only;
+                std::set_symmetric_difference(got.begin(), got.end(), want[h][ti].begin(), want[h][ti].end(),
+                        std::back_inserter(only));
+                n_pos_diff += only.size();
+            }
+        }
+        n_kept_diff += !std::equal(kept[h].begin(), kept[h].end(), kept_got.begin() + (size_t) h*(L + H));
+    }
+    const int n_units = sh.n_head*n_t;
+    std::printf("  %-34s S %4d L %3d H %3d chunk %d rows [%d, %d), coverage %.2f, %d samples, %d sinks, logits %s: tile "
+            "memories against the rule: %d of %d differ (%zu positions), kept sets %d of %d differ\n", sh.name, S, L, H, c,
+            i_begin, i_end, coverage, n_sample, n_sink, plan.cov_dt ? "tensor cores" : "F32", n_diff, n_units, n_pos_diff,
+            n_kept_diff, sh.n_head);
+    CHECK(n_diff <= 1 + n_units/20, "%s: coverage: %d of %d tile memories differ from the rule", sh.name, n_diff, n_units);
+    CHECK(n_kept_diff <= 1 + sh.n_head/10, "%s: coverage: %d of %d kept memory sets differ from the rule", sh.name,
+            n_kept_diff, sh.n_head);
+}
+
 float median(std::vector<float> v) {
     std::sort(v.begin(), v.end());
     return v[v.size()/2];
@@ -493,7 +808,7 @@ void time_layer_chunk(const head_shape & sh, int S, int L, int H, bool generic_t
             }
         });
         const float tr = timer.us([&] {
-            h2o_reduce_settle<<<dim3((S + M + 255)/256, sh.n_head), 256>>>(partial.ptr, n_parts, a.acc, a.nb_acc1,
+            h2o_reduce_settle<<<dim3((S + M + 255)/256, sh.n_head), 256>>>(partial.ptr, n_parts, S + M, a.acc, a.nb_acc1,
                     a.scores, a.nb_scores1, a.mem, a.nb_mem1, S, M, S, a.kv_size, false, true);
         });
         const float tb = timer.us([&] {
@@ -516,6 +831,57 @@ void time_layer_chunk(const head_shape & sh, int S, int L, int H, bool generic_t
             generic_too ? (std::to_string((int) t_gen) + " µs").c_str() : "-");
 }
 
+
+// one layer-chunk under coverage selection (4 sinks, 4 samples per tile): the call over chunk c, whose sampled queries
+// attend to every earlier position (so the selection's cost grows with c), against the seed rule's call there
+void time_coverage(const head_shape & sh, int S, int L, int H, int c, bool profile) {
+    layer ly(sh, S, L, H, (c + 1)*S, 13);
+    const int reps   = profile ? 1 : 10;
+    const int warmup = 2;
+    gpu_timer timer;
+    float  t_select = 0.0f;
+    size_t scratch  = 0;
+    const auto time_call = [&](int select) {
+        ly.select = select;
+        ly.n_sink = select == H2O_COV_SELECT ? 4 : 0;
+        h2o_cuda_args a = ly.args(c*S, S, {c - 1, -1});
+        h2o_cuda_plan plan;
+        const char * err = h2o_cuda_make_plan(a, H2O_CUDA_KERNEL_AUTO, &plan);
+        CHECK(err == nullptr, "%s: no plan: %s", sh.name, err ? err : "");
+        if (err) {
+            return 0.0f;
+        }
+        dev_buf<float> partial(plan.partial_floats);
+        h2o_cov_scratch s {};
+        if (select == H2O_COV_SELECT) {
+            h2o_cov_layout(a, plan, (char *) partial.ptr, &s);
+            scratch = plan.partial_floats*sizeof(float);
+        }
+        std::vector<float> t_all, t_sel;
+        for (int r = 0; r < reps + warmup; ++r) {
+            const float t = timer.us([&] { h2o_cuda_run(a, plan, partial.ptr, 0); });
+            if (select == H2O_COV_SELECT) {
+                const float ts = timer.us([&] { h2o_cuda_cover_select(a, plan, s, c*S, c*S, (c + 1)*S, 0); });
+                if (r >= warmup || profile) {
+                    t_sel.push_back(ts);
+                }
+            }
+            if (r >= warmup || profile) {
+                t_all.push_back(t);
+            }
+        }
+        CUDA_OK(cudaGetLastError());
+        if (select == H2O_COV_SELECT) {
+            t_select = median(t_sel);
+        }
+        return median(t_all);
+    };
+    const float t_seed = time_call(0);
+    const float t_cov  = time_call(H2O_COV_SELECT);
+    std::printf("| %s | %d | %d | %.1f | %.1f | %.1f | %.1f |\n", sh.name, S, c*S, t_seed, t_cov, t_select,
+            scratch/1048576.0);
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -531,6 +897,8 @@ int main(int argc, char ** argv) {
         // a few small cases, for compute-sanitizer (racecheck is slow)
         check_against_generic(shapes[1], 128, 32, 32, 2*128 + 40);
         check_build(10);
+        check_coverage_paths(shapes[1], 128, 32, 32, 2*128 + 40, {100, 2*128 + 40}, 4, INT32_MAX, 1.0f, 4);
+        check_coverage_rule(shapes[0], 128, 32, 32, 2, 2*128, 3*128, 4, 1.0f, 4, H2O_CUDA_KERNEL_AUTO);
         std::printf("%d failed\n", n_failed);
         return n_failed == 0 ? 0 : 1;
     }
@@ -550,6 +918,22 @@ int main(int argc, char ** argv) {
         check_against_generic(shapes[1], 4096, 256, 256, 2*4096 + 100);
         check_against_generic(shapes[0], 100, 20, 30, 450); // a chunk that is no multiple of 64
         check_build(300);
+
+        std::printf("checks: coverage selection\n");
+        for (const auto & sh : shapes) {
+            check_coverage_paths(sh, 128, 32, 32, 3*128 + 40, {3*128 + 40}, 4, 3*128 + 16, 1.0f, 4);
+            check_coverage_paths(sh, 128, 32, 32, 3*128 + 40, {100, 128 + 100, 3*128 + 40}, 0, INT32_MAX, 0.9f, 1);
+        }
+        check_coverage_paths(shapes[1], 1024, 256, 256, 3*1024 + 300, {3*1024 + 300}, 4, 3*1024 + 236, 1.0f, 4);
+        check_coverage_paths(shapes[0], 100, 20, 30, 450, {450}, 4, INT32_MAX, 1.0f, 16); // chunks no multiple of 64
+        // stage 1 choosing the proposals (4 H < the candidates), a call inside a chunk, every candidate proposed; both
+        // ways of computing the selection's logits
+        for (const h2o_cuda_kernel kernel : {H2O_CUDA_KERNEL_AUTO, H2O_CUDA_KERNEL_GENERIC}) {
+            check_coverage_rule(shapes[0], 256, 64, 64, 3, 3*256, 4*256, 4, 1.0f, 4, kernel);
+            check_coverage_rule(shapes[0], 256, 64, 64, 3, 3*256 + 100, 3*256 + 200, 0, 0.9f, 16, kernel);
+            check_coverage_rule(shapes[1], 512, 128, 128, 2, 2*512, 3*512, 4, 1.0f, 4, kernel);
+            check_coverage_rule(shapes[2], 256, 64, 64, 1, 256, 512, 4, 1.0f, 2, kernel);
+        }
     }
 
     std::printf("\none layer-chunk with a memory (chunk 1 after chunk 0), µs, medians of 20:\n");
@@ -562,6 +946,19 @@ int main(int argc, char ** argv) {
         time_layer_chunk(shapes[1], 4096, 256, 256, false, false);
         time_layer_chunk(shapes[2], 4096, 256, 256, false, false);
         time_layer_chunk(shapes[1], 512, 128, 128, false, false);
+    }
+
+    std::printf("\ncoverage selection (4 sinks, 4 samples per tile): the call over the chunk at the given position, µs, "
+            "medians of 10:\n");
+    std::printf("| heads | S | chunk start | seed rule, whole call | coverage, whole call | coverage, selection alone | "
+            "coverage scratch MiB |\n");
+    std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+    for (const auto & sh : shapes) {
+        time_coverage(sh, 1024, 256, 256, 1, profile);
+    }
+    if (!profile) {
+        time_coverage(shapes[1], 1024, 256, 256, 7, false);
+        time_coverage(shapes[1], 1024, 256, 256, 31, false);
     }
 
     std::printf("\n%d failed\n", n_failed);
