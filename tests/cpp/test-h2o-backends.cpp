@@ -54,17 +54,19 @@ struct state {
     ggml_tensor * mem_idx = nullptr;
     ggml_tensor * acc     = nullptr;
 
-    state(ggml_backend_t backend, const shape & sh, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v) {
+    // K and V of type_k, type_v: the F16 values converted (quantized, for q8_0 and the like)
+    state(ggml_backend_t backend, const shape & sh, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v,
+            ggml_type type_k = GGML_TYPE_F16, ggml_type type_v = GGML_TYPE_F16) {
         ggml_init_params ip = { 8*ggml_tensor_overhead(), nullptr, /*no_alloc=*/ true };
         ctx     = ggml_init(ip);
-        k       = ggml_new_tensor_3d(ctx, GGML_TYPE_F16,  sh.D, sh.n_head_kv, sh.kv_size);
-        v       = ggml_new_tensor_3d(ctx, GGML_TYPE_F16,  sh.D, sh.n_head_kv, sh.kv_size);
+        k       = ggml_new_tensor_3d(ctx, type_k, sh.D, sh.n_head_kv, sh.kv_size);
+        v       = ggml_new_tensor_3d(ctx, type_v, sh.D, sh.n_head_kv, sh.kv_size);
         scores  = ggml_new_tensor_2d(ctx, GGML_TYPE_BF16, sh.kv_size, sh.n_head);
         mem_idx = ggml_new_tensor_2d(ctx, GGML_TYPE_I32,  sh.L + sh.H, sh.n_head);
         acc     = ggml_new_tensor_2d(ctx, GGML_TYPE_F32,  sh.S + sh.L + sh.H, sh.n_head);
         buf     = ggml_backend_alloc_ctx_tensors(ctx, backend);
-        ggml_backend_tensor_set(k, kv_k.data(), 0, ggml_nbytes(k));
-        ggml_backend_tensor_set(v, kv_v.data(), 0, ggml_nbytes(v));
+        set_as(k, kv_k);
+        set_as(v, kv_v);
         ggml_backend_tensor_memset(scores,  0x00, 0, ggml_nbytes(scores));
         ggml_backend_tensor_memset(mem_idx, 0xff, 0, ggml_nbytes(mem_idx)); // -1: empty
         ggml_backend_tensor_memset(acc,     0x00, 0, ggml_nbytes(acc));
@@ -73,6 +75,25 @@ struct state {
         ggml_backend_buffer_free(buf);
         ggml_free(ctx);
     }
+
+    // F16 values into a tensor of any type ggml quantizes to
+    static void set_as(ggml_tensor * t, const std::vector<ggml_fp16_t> & values) {
+        if (t->type == GGML_TYPE_F16) {
+            ggml_backend_tensor_set(t, values.data(), 0, ggml_nbytes(t));
+            return;
+        }
+        std::vector<float> f32(values.size());
+        ggml_fp16_to_fp32_row(values.data(), f32.data(), (int64_t) f32.size());
+        std::vector<char> data(ggml_nbytes(t));
+        ggml_quantize_chunk(t->type, f32.data(), data.data(), 0, ggml_nrows(t), t->ne[0], nullptr);
+        ggml_backend_tensor_set(t, data.data(), 0, data.size());
+    }
+};
+
+// the attention logits of a call (ggml_h2o_attn_set_logits): a soft-cap, and learned sinks of every head
+struct logit_opts {
+    float                      softcap = 0.0f;
+    const std::vector<float> * sinks   = nullptr;
 };
 
 struct call_result {
@@ -86,14 +107,16 @@ struct call_result {
 call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const std::vector<float> & q_all,
         int32_t p0, int32_t n, int32_t mem_chunk, int32_t acc_chunk,
         ggml_h2o_select select = GGML_H2O_SELECT_H2O, int32_t n_sink = 0, int32_t tail_start = INT32_MAX,
-        float coverage = 1.0f) {
+        float coverage = 1.0f, int32_t n_sample = 4, logit_opts lo = {}) {
     ggml_init_params ip = { 4*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
     ggml_context * ctx = ggml_init(ip);
-    ggml_tensor * q   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, n);
-    ggml_tensor * out = ggml_h2o_attn(ctx, q, st.k, st.v, st.scores, st.mem_idx, st.acc,
+    ggml_tensor * q     = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, n);
+    ggml_tensor * sinks = lo.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, sh.n_head) : nullptr;
+    ggml_tensor * out   = ggml_h2o_attn(ctx, q, st.k, st.v, st.scores, st.mem_idx, st.acc,
             p0, sh.S, sh.L, sh.H, mem_chunk, acc_chunk, 1.0f/std::sqrt((float) sh.D));
     ggml_h2o_attn_set_select(out, select, n_sink, tail_start);
-    ggml_h2o_attn_set_coverage(out, coverage, 4);
+    ggml_h2o_attn_set_coverage(out, coverage, n_sample);
+    ggml_h2o_attn_set_logits(out, lo.softcap, sinks);
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
 
@@ -103,6 +126,9 @@ call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const
     if (r.supported) {
         buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
         ggml_backend_tensor_set(q, q_all.data() + (size_t) p0*sh.D*sh.n_head, 0, ggml_nbytes(q));
+        if (sinks) {
+            ggml_backend_tensor_set(sinks, lo.sinks->data(), 0, ggml_nbytes(sinks));
+        }
         CHECK(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS, "%s: graph compute failed", ggml_backend_name(backend));
         r.out.resize(ggml_nelements(out));
         r.scores.resize(ggml_nelements(st.scores));
@@ -242,10 +268,14 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
 }
 
 // GGML_H2O_SELECT_COVERAGE: every head's tiles estimate, then all threads (or GPU blocks) share one allocation. On
-// the CPU with three threads against one it must be bit-identical (the barrier and the shared estimates at work).
-// The CUDA backend has no kernels for it yet and must refuse it (llama then refuses the context, naming the
-// backend); when it has them, it must agree with the CPU as the other cases do.
-void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, bool gpu, const shape & sh,
+// the CPU with three threads against one it must be bit-identical (the barrier and the shared estimates at work). A
+// GPU must agree with the CPU as the query-aware cases do: its sums run in another order, so a near-tie may rank
+// two candidates, or give a budget step, the other way. Four comparisons (tests/kv_cache_cpp.rs counts them) that
+// cover both ways a chunk's candidates are proposed (S = 128, 4 H = 128: chunk 1 proposes all of them, chunks 2 and 3
+// choose by the sampled queries), 4 and 16 samples per tile and a tile whose rows hold no sampled one (one sample per
+// tile, a call ending 50 rows into chunk 1), a coverage target below 1, sinks, a dense tail, and a call that continues
+// a chunk inside a tile.
+void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh,
         const std::vector<float> & q, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v, float max_v, bool exact) {
     const int32_t S = sh.S;
     const ggml_h2o_select cov = GGML_H2O_SELECT_COVERAGE;
@@ -254,38 +284,97 @@ void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * n
         int32_t      n_sink;
         int32_t      tail_start;
         float        coverage;
+        int32_t      n_sample;
     } cases[] = {
-        { "one call, coverage, 4 sinks, tail of 24",        4, 3*S + 16,  1.0f },
-        { "one call, coverage target 0.9, no sink, no tail", 0, INT32_MAX, 0.9f },
+        { "one call, coverage, 4 sinks, tail of 24",                   4, 3*S + 16,  1.0f, 4  },
+        { "one call, coverage target 0.9, 16 samples, no sink, no tail", 0, INT32_MAX, 0.9f, 16 },
     };
     for (const auto & c : cases) {
         state ref_st(cpu, sh, kv_k, kv_v);
         state got_st(other, sh, kv_k, kv_v);
         const int32_t n = 3*S + 40;
-        const call_result ref = run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage);
-        const call_result got = run_call(other, got_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage);
-        if (gpu && !got.supported) {
-            std::printf("     %s: refused by %s (no kernels for this selection yet), as it must be\n", c.what, name);
-            continue;
-        }
-        compare(c.what, name, ref, got, sh, max_v, exact);
+        compare(c.what, name,
+                run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage, c.n_sample),
+                run_call(other, got_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage, c.n_sample),
+                sh, max_v, exact);
     }
-    // two calls that split chunk 1: the second part's tiles choose again from their own rows
+    // two calls that split chunk 1 inside a tile, one sample per tile: the second part's tiles choose again from their
+    // own rows (the first call's last tile, rows S .. S + 49, holds no sampled row and samples its last)
     {
         state ref_st(cpu, sh, kv_k, kv_v);
         state got_st(other, sh, kv_k, kv_v);
         const int32_t n1 = S + 50;
         const int32_t n2 = 2*S + 40 - n1;
-        const call_result ref1 = run_call(cpu,   ref_st, sh, q, 0, n1, -1, -1, cov, 4);
-        const call_result got1 = run_call(other, got_st, sh, q, 0, n1, -1, -1, cov, 4);
-        if (gpu && !got1.supported) {
-            std::printf("     coverage, two calls: refused by %s, as it must be\n", name);
-        } else if (compare("coverage, call 1 of 2 ending inside chunk 1", name, ref1, got1, sh, max_v, exact)) {
-            compare("coverage, call 2 of 2 continuing chunk 1", name,
-                    run_call(cpu, ref_st, sh, q, n1, n2, 0, 1, cov, 4), run_call(other, got_st, sh, q, n1, n2, 0, 1, cov, 4),
-                    sh, max_v, exact);
+        const int32_t no_tail = INT32_MAX;
+        if (compare("coverage, 1 sample, call 1 of 2 ending inside chunk 1", name,
+                    run_call(cpu,   ref_st, sh, q, 0, n1, -1, -1, cov, 4, no_tail, 1.0f, 1),
+                    run_call(other, got_st, sh, q, 0, n1, -1, -1, cov, 4, no_tail, 1.0f, 1), sh, max_v, exact)) {
+            compare("coverage, 1 sample, call 2 of 2 continuing chunk 1", name,
+                    run_call(cpu,   ref_st, sh, q, n1, n2, 0, 1, cov, 4, no_tail, 1.0f, 1),
+                    run_call(other, got_st, sh, q, n1, n2, 0, 1, cov, 4, no_tail, 1.0f, 1), sh, max_v, exact);
         }
     }
+}
+
+// The model-specific attention arithmetic (patch 0020) and cache types (patch 0021): a soft-cap that binds (logits
+// here are about N(0, 1), the cap 1), learned sinks of every head (gpt-oss), and K/V caches of BF16 and quantized types,
+// under the seed rule, the hybrid and coverage selection, one call each. Six comparisons.
+void run_logit_and_cache_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh,
+        const std::vector<float> & q, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v, float max_v, bool exact) {
+    const int32_t S = sh.S;
+    std::vector<float> sinks(sh.n_head);
+    for (int64_t h = 0; h < sh.n_head; ++h) {
+        sinks[h] = 2.0f*std::sin(1.0f + (float) h); // within a few units of the logits: a visible share
+    }
+    const struct {
+        const char    * what;
+        ggml_h2o_select select;
+        int32_t         tail_start;
+        logit_opts      lo;
+        ggml_type       type_k;
+        ggml_type       type_v;
+    } cases[] = {
+        { "one call, seed rule, soft-cap 1",                        GGML_H2O_SELECT_H2O,      INT32_MAX, { 1.0f, nullptr }, GGML_TYPE_F16,  GGML_TYPE_F16  },
+        { "one call, hybrid, learned sinks, tail of 24",            GGML_H2O_SELECT_HYBRID,   3*S + 16,  { 0.0f, &sinks  }, GGML_TYPE_F16,  GGML_TYPE_F16  },
+        { "one call, coverage, soft-cap 1 and sinks, tail of 24",   GGML_H2O_SELECT_COVERAGE, 3*S + 16,  { 1.0f, &sinks  }, GGML_TYPE_F16,  GGML_TYPE_F16  },
+        { "one call, seed rule, q8_0 K/V, tail of 24",              GGML_H2O_SELECT_H2O,      3*S + 16,  { 0.0f, nullptr }, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0 },
+        { "one call, coverage, BF16 K/V",                           GGML_H2O_SELECT_COVERAGE, INT32_MAX, { 0.0f, nullptr }, GGML_TYPE_BF16, GGML_TYPE_BF16 },
+        { "one call, hybrid, q4_0 K, q8_0 V, sinks",                GGML_H2O_SELECT_HYBRID,   INT32_MAX, { 0.0f, &sinks  }, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0 },
+    };
+    for (const auto & c : cases) {
+        state ref_st(cpu,   sh, kv_k, kv_v, c.type_k, c.type_v);
+        state got_st(other, sh, kv_k, kv_v, c.type_k, c.type_v);
+        const int32_t n = 3*S + 40;
+        compare(c.what, name,
+                run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, c.select, 4, c.tail_start, 1.0f, 4, c.lo),
+                run_call(other, got_st, sh, q, 0, n, -1, -1, c.select, 4, c.tail_start, 1.0f, 4, c.lo), sh, max_v, exact);
+    }
+}
+
+// The one coverage op a GPU backend refuses (its ranking sorts 4 H candidates per tile in shared memory, so heavy
+// budgets beyond 2048 are not served): llama then refuses the context, naming the backend, instead of the scheduler
+// running the op on the CPU against copies of the state. The same op under the seed rule must be accepted.
+void check_coverage_refusal(ggml_backend_t gpu, const char * name) {
+    ggml_init_params ip = { 8*ggml_tensor_overhead(), nullptr, /*no_alloc=*/ true };
+    ggml_context * ctx = ggml_init(ip);
+    const int64_t D = 64, kv = 8192;
+    const int32_t S = 8192, L = 0, H = 4096;
+    ggml_tensor * q      = ggml_new_tensor_3d(ctx, GGML_TYPE_F32,  D, 1, 8);
+    ggml_tensor * k      = ggml_new_tensor_3d(ctx, GGML_TYPE_F16,  D, 1, kv);
+    ggml_tensor * v      = ggml_new_tensor_3d(ctx, GGML_TYPE_F16,  D, 1, kv);
+    ggml_tensor * scores = ggml_new_tensor_2d(ctx, GGML_TYPE_BF16, kv, 1);
+    ggml_tensor * mem    = ggml_new_tensor_2d(ctx, GGML_TYPE_I32,  L + H, 1);
+    ggml_tensor * acc    = ggml_new_tensor_2d(ctx, GGML_TYPE_F32,  S + L + H, 1);
+    ggml_tensor * op     = ggml_h2o_attn(ctx, q, k, v, scores, mem, acc, 0, S, L, H, -1, -1, 0.125f);
+    ggml_h2o_attn_set_select(op, GGML_H2O_SELECT_COVERAGE, 0, INT32_MAX);
+    const bool coverage = ggml_backend_supports_op(gpu, op);
+    ggml_h2o_attn_set_select(op, GGML_H2O_SELECT_H2O, 0, INT32_MAX);
+    const bool seed = ggml_backend_supports_op(gpu, op);
+    CHECK(!coverage, "%s accepts coverage selection with H = %d, beyond what its kernels serve", name, H);
+    CHECK(seed, "%s refuses the seed rule with H = %d", name, H);
+    std::printf("     coverage selection with H = %d: %s by %s (the seed rule: %s)\n", H,
+            coverage ? "accepted" : "refused", name, seed ? "accepted" : "refused");
+    ggml_free(ctx);
 }
 
 } // namespace
@@ -324,7 +413,9 @@ int main() {
         const char * name = ggml_backend_dev_name(dev);
         std::printf("%s (%s)\n", name, ggml_backend_dev_description(dev));
         run_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
-        run_coverage_cases(cpu, gpu, name, true, sh, q, kv_k, kv_v, max_v, false);
+        run_coverage_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
+        run_logit_and_cache_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
+        check_coverage_refusal(gpu, name);
         ggml_backend_free(gpu);
     }
 
@@ -336,7 +427,8 @@ int main() {
         ggml_backend_cpu_set_n_threads(cpu3, 3);
         std::printf("CPU, 3 threads (stands in for a GPU)\n");
         run_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
-        run_coverage_cases(cpu, cpu3, "CPU x3", false, sh, q, kv_k, kv_v, max_v, true);
+        run_coverage_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
+        run_logit_and_cache_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
         ggml_backend_free(cpu3);
         std::printf("skipped: no GPU backend in this build (build with --features cuda or scripts/gpu-test.sh)\n");
     }
