@@ -31,6 +31,10 @@ pub struct AttentionCapture {
     pub select: u32,
     pub sink: u32,
     pub tail_start: i32,
+    /// The attention logit soft-cap (0: none) and the learned attention sink of every query
+    /// head (empty: none) the op ran with (`ggml_h2o_attn_set_logits`).
+    pub softcap: f32,
+    pub sinks: Vec<f32>,
     pub n_head: u32,
     pub n_head_kv: u32,
     pub head_dim: u32,
@@ -38,7 +42,7 @@ pub struct AttentionCapture {
     /// Q of the call's tokens, `[n_tokens][n_head][head_dim]`, F32 as the op received it.
     pub q: Vec<f32>,
     /// K of cache positions `0 .. p0 + n_tokens`, `[position][n_head_kv][head_dim]`: the cache's
-    /// F16 values, widened exactly.
+    /// values as F32 (F16 and BF16 widened exactly, a quantized cache dequantized as ggml does).
     pub k: Vec<f32>,
     /// V likewise, `[position][n_head_kv][head_dim_v]`.
     pub v: Vec<f32>,
@@ -149,11 +153,7 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
         let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_string_lossy();
         format!("unexpected H2O node name {name:?}")
     })?;
-    if q.type_ != sys::GGML_TYPE_F32
-        || k.type_ != sys::GGML_TYPE_F16
-        || v.type_ != sys::GGML_TYPE_F16
-        || t.type_ != sys::GGML_TYPE_F32
-    {
+    if q.type_ != sys::GGML_TYPE_F32 || t.type_ != sys::GGML_TYPE_F32 {
         return Err(format!("layer {layer}: unexpected H2O tensor types"));
     }
     let p = &t.op_params;
@@ -170,9 +170,14 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
     );
     // SAFETY (all four): shapes and strides come from the tensors themselves.
     let qv = unsafe { read_rows_f32(q, d, n_head, n_tokens) };
-    let kv = unsafe { read_rows_f16(k, d, n_head_kv, n_pos) };
-    let vv = unsafe { read_rows_f16(v, dv, n_head_kv, n_pos) };
+    let kv = unsafe { read_rows(k, d, n_head_kv, n_pos) }?;
+    let vv = unsafe { read_rows(v, dv, n_head_kv, n_pos) }?;
     let out = unsafe { read_rows_f32(t, dv, n_head, n_tokens) };
+    let sinks = match t.src[6].is_null() {
+        true => Vec::new(),
+        // SAFETY: a computed node's sources are valid; the sinks are F32 [n_head] (ggml_h2o_attn_set_logits).
+        false => unsafe { read_rows_f32(&*t.src[6], n_head, 1, 1) },
+    };
     Ok(AttentionCapture {
         layer,
         p0: p0 as u32,
@@ -184,6 +189,8 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
         select: p[7] as u32,
         sink: p[8] as u32,
         tail_start: p[9],
+        softcap: f32::from_bits(p[12] as u32),
+        sinks,
         n_head: n_head as u32,
         n_head_kv: n_head_kv as u32,
         head_dim: d as u32,
@@ -215,17 +222,28 @@ unsafe fn read_rows_f32(t: &sys::ggml_tensor, ne0: usize, n1: usize, n2: usize) 
 }
 
 /// # Safety
-/// As [`read_rows_f32`], for an F16 tensor; values are widened exactly.
+/// As [`read_rows_f32`], for a tensor of any type ggml converts to F32 (F16, BF16 widened
+/// exactly; quantized types dequantized), whose rows are whole blocks.
 #[cfg(not(feature = "stock"))]
-unsafe fn read_rows_f16(t: &sys::ggml_tensor, ne0: usize, n1: usize, n2: usize) -> Vec<f32> {
-    let mut half = vec![0u16; ne0];
+unsafe fn read_rows(
+    t: &sys::ggml_tensor,
+    ne0: usize,
+    n1: usize,
+    n2: usize,
+) -> Result<Vec<f32>, String> {
+    // SAFETY: ggml's type traits are static tables, valid for every type.
+    let to_float = unsafe { (*sys::ggml_get_type_traits(t.type_)).to_float }
+        .ok_or_else(|| format!("ggml cannot convert a tensor of type {} to F32", t.type_))?;
+    // SAFETY: a pure function of a valid type and a count.
+    let row_bytes = unsafe { sys::ggml_row_size(t.type_, ne0 as i64) };
+    let mut raw = vec![0u8; row_bytes];
     let mut out = vec![0f32; ne0 * n1 * n2];
     for (row, off) in out.chunks_exact_mut(ne0).zip(row_offsets(t, n1, n2)) {
-        // SAFETY: as above; `half` holds one row.
+        // SAFETY: as above; `raw` holds one row of the tensor's type, `row` its ne0 values.
         unsafe {
-            sys::ggml_backend_tensor_get(t, half.as_mut_ptr().cast(), off, ne0 * 2);
-            sys::ggml_fp16_to_fp32_row(half.as_ptr(), row.as_mut_ptr(), ne0 as i64);
+            sys::ggml_backend_tensor_get(t, raw.as_mut_ptr().cast(), off, row_bytes);
+            to_float(raw.as_ptr().cast(), row.as_mut_ptr(), ne0 as i64);
         }
     }
-    out
+    Ok(out)
 }

@@ -55,8 +55,8 @@ pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{Sampler, SamplerConfig};
 pub use session::{
-    AbortCheck, FlashAttention, Generation, H2oConfig, H2oState, ParallelSession, PromptCache,
-    Selection, SeqId, Session, SessionConfig, Timings,
+    AbortCheck, CacheType, FlashAttention, Generation, H2oConfig, H2oState, ParallelSession,
+    PromptCache, Selection, SeqId, Session, SessionConfig, Timings,
 };
 
 /// Version of the pinned upstream crate whose llama.cpp this library builds.

@@ -11,6 +11,8 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-fa", "--flash-attn"),
     ("-ngl", "--n-gpu-layers"),
     ("-np", "--parallel"),
+    ("-ctk", "--cache-type-k"),
+    ("-ctv", "--cache-type-v"),
 ];
 
 /// Rewrites those of `flags` (taken from [`MULTI_LETTER_FLAGS`]) found in `args` to their long

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
+use crate::session::CacheType;
 use crate::{backend, sys};
 
 /// A token id of the model's vocabulary.
@@ -180,12 +181,19 @@ impl Model {
     /// the usual head width `n_embd / n_head`.
     #[must_use]
     pub fn kv_cache_bytes(&self, n_ctx: u32) -> u64 {
-        let head_dim = u64::from(self.n_embd()) / u64::from(self.n_head().max(1));
-        2 * 2
-            * u64::from(self.n_layer())
-            * u64::from(n_ctx)
-            * u64::from(self.n_head_kv())
-            * head_dim
+        self.kv_cache_bytes_of(n_ctx, CacheType::F16, CacheType::F16)
+    }
+
+    /// Bytes of a K+V cache of `n_ctx` cells with K and V of the given types (block-quantized
+    /// types by their bytes per block), assuming the usual head width `n_embd / n_head`.
+    #[must_use]
+    pub fn kv_cache_bytes_of(&self, n_ctx: u32, k: CacheType, v: CacheType) -> u64 {
+        let head_dim = i64::from(self.n_embd()) / i64::from(self.n_head().max(1));
+        let row = i64::from(self.n_head_kv()) * head_dim;
+        // SAFETY: pure functions of a valid type and a count.
+        let bytes =
+            unsafe { sys::ggml_row_size(k.to_sys(), row) + sys::ggml_row_size(v.to_sys(), row) };
+        bytes as u64 * u64::from(self.n_layer()) * u64::from(n_ctx)
     }
 
     /// Context length the model was trained with.

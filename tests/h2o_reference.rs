@@ -33,10 +33,10 @@ mod common;
 use std::collections::BTreeSet;
 
 use h2o_llama::reference::{
-    h2o_attention_coverage, h2o_attention_head_given_memory, CoverageParams, H2oParams, Matrix,
-    MemorySet,
+    apply_sink, h2o_attention_coverage, h2o_attention_head_given_memory, CoverageParams, H2oParams,
+    Logits, Matrix, MemorySet,
 };
-use h2o_llama::{AttentionCapture, H2oConfig, Model, Selection, Session, SessionConfig};
+use h2o_llama::{AttentionCapture, CacheType, H2oConfig, Model, Selection, Session, SessionConfig};
 
 const S: usize = 128;
 const L: usize = 32;
@@ -92,13 +92,18 @@ fn all_memory_sets(s: &Session<'_>) -> EngineSets {
         .collect()
 }
 
-fn run(m: &Model, tokens: &[i32], calls: &[usize], sink: usize) -> Run {
+fn run(m: &Model, tokens: &[i32], calls: &[usize], sink: usize, cache: CacheType) -> Run {
     assert_eq!(calls.iter().sum::<usize>(), tokens.len());
     let h2o = H2oConfig {
         sink: sink as u32,
         ..H2oConfig::seed(L as u32, H as u32)
     };
-    let mut s = Session::new(m, config(h2o)).unwrap();
+    let config = SessionConfig {
+        cache_type_k: cache,
+        cache_type_v: cache,
+        ..config(h2o)
+    };
+    let mut s = Session::new(m, config).unwrap();
     let mut captures = Vec::new();
     let mut observed = Vec::new();
     let mut start = 0;
@@ -114,6 +119,13 @@ fn run(m: &Model, tokens: &[i32], calls: &[usize], sink: usize) -> Run {
     }
     let st = s.h2o_state().unwrap();
     assert_eq!(st.chunks_done as usize, N / S, "chunks completed");
+    // llama.cpp counted every chunk after the first as sparse (no dense tail here)
+    assert_eq!(
+        st.sparse_chunks as usize,
+        N.div_ceil(S) - 1,
+        "sparse chunks"
+    );
+    assert_eq!(st.tail_tokens, 0, "dense-tail tokens");
     let layers = s.h2o_layers();
     let scores = layers
         .iter()
@@ -140,7 +152,10 @@ struct LayerTrace {
     n_head_kv: usize,
     d: usize,
     dv: usize,
-    scale: f64,
+    /// the logit scale and soft-cap (0: none) the op ran with
+    logits: Logits,
+    /// the learned attention sink of every head (empty: none)
+    sinks: Vec<f32>,
     /// `[pos][head][d]`
     q: Vec<f32>,
     /// `[pos][head_kv][d]` from the last call, which sees the whole cache
@@ -184,7 +199,11 @@ fn layer_trace(captures: &[AttentionCapture], layer: u32) -> LayerTrace {
         n_head_kv: c0.n_head_kv as usize,
         d,
         dv,
-        scale: f64::from(c0.scale),
+        logits: Logits {
+            scale: f64::from(c0.scale),
+            softcap: f64::from(c0.softcap),
+        },
+        sinks: c0.sinks.clone(),
         q,
         k: last.k.clone(),
         v: last.v.clone(),
@@ -193,6 +212,22 @@ fn layer_trace(captures: &[AttentionCapture], layer: u32) -> LayerTrace {
 }
 
 impl LayerTrace {
+    /// A head's reference output with the layer's learned sink, if it has one, in the
+    /// denominator of every query's softmax (over the keys it attended to).
+    fn with_sink(
+        &self,
+        h: usize,
+        q: &Matrix,
+        k: &Matrix,
+        mut out: Matrix,
+        keys: &[Vec<usize>],
+    ) -> Matrix {
+        if let Some(&sink) = self.sinks.get(h) {
+            apply_sink(&mut out, q, k, self.logits, keys, f64::from(sink));
+        }
+        out
+    }
+
     /// Q of query head `h`, and K and V of the KV head it reads (GQA), as f64 matrices.
     fn head_inputs(&self, h: usize) -> (Matrix, Matrix, Matrix) {
         let kv_head = h / (self.n_head / self.n_head_kv);
@@ -327,7 +362,7 @@ fn compare(
             let (q, k, v) = t.head_inputs(h);
             let engine_sets: Vec<MemorySet> =
                 given.iter().map(|(_, sets)| sets[i][h].clone()).collect();
-            let r = h2o_attention_head_given_memory(&q, &k, &v, t.scale, &params, &engine_sets);
+            let r = h2o_attention_head_given_memory(&q, &k, &v, t.logits, &params, &engine_sets);
             assert_eq!(r.memory_sets.len(), N / S, "{what}: reference builds");
 
             for (c, engine) in engine_sets.iter().enumerate() {
@@ -341,7 +376,8 @@ fn compare(
                 );
             }
 
-            let (err, vmax) = assert_outputs_match(&t, h, &v, &r.output, &what);
+            let output = t.with_sink(h, &q, &k, r.output.clone(), &r.key_sets);
+            let (err, vmax) = assert_outputs_match(&t, h, &v, &output, &what);
             max_err = max_err.max(err);
             max_v = max_v.max(vmax);
 
@@ -367,13 +403,24 @@ fn compare(
 
 #[test]
 fn sparse_prefill_matches_the_reference_in_every_layer() {
-    seed_rule_matches_the_reference(common::model(), 0, true);
+    seed_rule_matches_the_reference(common::model(), 0, true, CacheType::F16);
 }
 
 /// The seed rule with sinks: positions 0..4 always in memory, out of the heavy budget.
 #[test]
 fn seed_rule_with_sinks_matches_the_reference_in_every_layer() {
-    seed_rule_matches_the_reference(common::model(), 4, true);
+    seed_rule_matches_the_reference(common::model(), 4, true, CacheType::F16);
+}
+
+/// Quantized and BF16 KV caches (`-ctk`/`-ctv`): the op reads each K and V row as the cache's
+/// type converts to F32, and the capture reads them the same way, so the reference recomputes
+/// the prefill from exactly the values the kernel used, with the same tolerance as F16.
+#[test]
+fn quantized_and_bf16_caches_match_the_reference_in_every_layer() {
+    for cache in [CacheType::Q8_0, CacheType::Q4_0, CacheType::Bf16] {
+        eprintln!("-ctk {cache} -ctv {cache}:");
+        seed_rule_matches_the_reference(common::model(), 4, true, cache);
+    }
 }
 
 /// Gemma 3 270M, the seed rule with sinks on its three global layers, in one call and in
@@ -385,18 +432,23 @@ fn seed_rule_with_sinks_matches_the_reference_in_every_layer() {
 /// position-addressed cache makes the layout irrelevant, and there the three layouts must agree.
 #[test]
 fn gemma3_seed_rule_matches_the_reference_on_the_global_layers() {
-    seed_rule_matches_the_reference(common::gemma(), 4, false);
+    seed_rule_matches_the_reference(common::gemma(), 4, false, CacheType::F16);
 }
 
-fn seed_rule_matches_the_reference(m: &Model, sink: usize, with_misaligned_calls: bool) {
+fn seed_rule_matches_the_reference(
+    m: &Model,
+    sink: usize,
+    with_misaligned_calls: bool,
+    cache: CacheType,
+) {
     let tokens = prompt(m);
-    let aligned = run(m, &tokens, &[S, S, S, N - 3 * S], sink);
+    let aligned = run(m, &tokens, &[S, S, S, N - 3 * S], sink, cache);
     assert_eq!(
         aligned.observed.iter().map(|o| o.0).collect::<Vec<_>>(),
         vec![0, 1, 2],
         "the chunk-aligned calls expose M_0, M_1, M_2"
     );
-    let one_call = run(m, &tokens, &[N], sink);
+    let one_call = run(m, &tokens, &[N], sink, cache);
     let n_layer = aligned.layers.len();
 
     // The final memory sets of the layouts agree (item 11), so the aligned run's intermediate
@@ -422,7 +474,7 @@ fn seed_rule_matches_the_reference(m: &Model, sink: usize, with_misaligned_calls
     );
     let mut runs = vec![("one call", one_call), ("chunk-aligned calls", aligned)];
     if with_misaligned_calls {
-        let misaligned = run(m, &tokens, &[100, 150, 174], sink);
+        let misaligned = run(m, &tokens, &[100, 150, 174], sink, cache);
         assert!(
             runs[1].1.final_sets == misaligned.final_sets,
             "misaligned vs aligned calls: final memory sets"
@@ -443,6 +495,85 @@ fn seed_rule_matches_the_reference(m: &Model, sink: usize, with_misaligned_calls
              {swaps} heavy hitters swapped within BF16 ties, max score error {score_err:.2e} (relative)"
         );
     }
+}
+
+/// Issue 31's architecture matrix, proved layer by layer: every tiny random-weight model that
+/// runs with H2O (`h2o-cli/tests/architectures.rs`) has each of its H2O layers checked against
+/// the reference, the seed rule with 4 sink positions in one call and in chunk-aligned calls, with
+/// the model's own logit scale, soft-cap (Gemma 2) and learned attention sinks (gpt-oss) as the op
+/// ran them, and llama.cpp's sparse-chunk count checked.
+#[test]
+fn every_architecture_that_runs_matches_the_reference() {
+    use common::tiny_models::{self, TinyModel};
+    let models: [(&str, fn() -> TinyModel); 13] = [
+        ("llama_gqa", tiny_models::llama_gqa),
+        ("llama_mha", tiny_models::llama_mha),
+        ("qwen2", tiny_models::qwen2),
+        ("qwen3", tiny_models::qwen3),
+        ("phi3", tiny_models::phi3),
+        ("gemma2", tiny_models::gemma2),
+        ("gemma3", tiny_models::gemma3),
+        ("mistral3", tiny_models::mistral3),
+        ("granite", tiny_models::granite),
+        ("olmo2", tiny_models::olmo2),
+        ("olmo2_swa", tiny_models::olmo2_swa),
+        ("gpt_oss", tiny_models::gpt_oss),
+        ("deepseek2", tiny_models::deepseek2),
+    ];
+    let dir = common::scratch("architectures-reference");
+    for (name, build) in models {
+        let path = dir.join(format!("{name}.gguf"));
+        let mut tiny = build();
+        if name == "gemma2" {
+            // Gemma 2's cap of 50 never binds on a random model's small logits: a cap that does
+            tiny.gguf.set("gemma2.attn_logit_softcapping", 0.02f32);
+        }
+        tiny.gguf.write(&path).unwrap();
+        let m = Model::load(&path, &h2o_llama::ModelParams::default())
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        eprintln!("{name}:");
+        seed_rule_matches_the_reference(&m, 4, false, CacheType::F16);
+        if name == "gemma2" || name == "gpt_oss" {
+            the_logit_arithmetic_matters(&m, name);
+        }
+        drop(m);
+        std::fs::remove_file(&path).unwrap();
+    }
+}
+
+/// The soft-cap or the sinks the op ran with are the model's and change its output: a reference
+/// without them misses the engine's output by far more than the comparison's tolerance.
+fn the_logit_arithmetic_matters(m: &Model, name: &str) {
+    let r = run(m, &prompt(m), &[N], 4, CacheType::F16);
+    let t = layer_trace(&r.captures, r.layers[0]);
+    let params = H2oParams {
+        chunk: S,
+        local: L,
+        heavy: H,
+        sink: 4,
+        ..Default::default()
+    };
+    let (q, k, v) = t.head_inputs(0);
+    let plain = h2o_attention_head_given_memory(&q, &k, &v, t.logits.scale, &params, &[]).output;
+    let engine = head_matrix(&t.out, t.n_head, t.dv, 0);
+    let vmax = v.data.iter().fold(0f64, |a, x| a.max(x.abs()));
+    let tol = 1e-4 * vmax.max(1.0);
+    let miss = engine
+        .data
+        .iter()
+        .zip(&plain.data)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f64, f64::max);
+    if name == "gemma2" {
+        assert!(t.logits.softcap > 0.0, "{name}: no soft-cap reached the op");
+    } else {
+        assert_eq!(t.sinks.len(), t.n_head, "{name}: sinks");
+    }
+    assert!(
+        miss > 10.0 * tol,
+        "{name}: without its soft-cap or sinks the reference is within {miss} of the engine"
+    );
+    eprintln!("{name}: a reference without them would miss by {miss:.3e} (tolerance {tol:.1e})");
 }
 
 /// Query-aware selection (both block summaries) with sinks and a dense tail, in one call: the
@@ -536,14 +667,15 @@ fn check_query_selection(m: &Model, tokens: &[i32], selects: &[Selection], tail:
             for (h, engine_set) in sets.iter().enumerate() {
                 let what = format!("{select}: layer {layer} head {h}");
                 let (q, k, v) = t.head_inputs(h);
-                let r = h2o_attention_head_given_memory(&q, &k, &v, t.scale, &params, &[]);
+                let r = h2o_attention_head_given_memory(&q, &k, &v, t.logits, &params, &[]);
                 // after the call the engine holds the memory the last chunk read
                 assert_eq!(
                     engine_set,
                     &r.memory_sets[n / S - 1],
                     "{what}: memory of the last chunk"
                 );
-                let (err, vmax) = assert_outputs_match(&t, h, &v, &r.output, &what);
+                let output = t.with_sink(h, &q, &k, r.output.clone(), &r.key_sets);
+                let (err, vmax) = assert_outputs_match(&t, h, &v, &output, &what);
                 max_err = max_err.max(err);
                 max_v = max_v.max(vmax);
             }
@@ -609,7 +741,7 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
             let what = format!("hybrid: layer {layer} head {h}");
             let (q, k, v) = t.head_inputs(h);
             let engine: Vec<MemorySet> = given.iter().map(|g| g[i][h].clone()).collect();
-            let r = h2o_attention_head_given_memory(&q, &k, &v, t.scale, &params, &engine);
+            let r = h2o_attention_head_given_memory(&q, &k, &v, t.logits, &params, &engine);
             for (i, e) in engine.iter().enumerate() {
                 let c = i + 1; // the chunk that read it
                 let (pe, pr): (BTreeSet<usize>, BTreeSet<usize>) = (
@@ -626,7 +758,8 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
                     &format!("{what}: chunk {c}"),
                 );
             }
-            let (err, _) = assert_outputs_match(&t, h, &v, &r.output, &what);
+            let output = t.with_sink(h, &q, &k, r.output.clone(), &r.key_sets);
+            let (err, _) = assert_outputs_match(&t, h, &v, &output, &what);
             max_err = max_err.max(err);
         }
     }
@@ -699,7 +832,7 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
             &q,
             &k,
             &v,
-            t.scale,
+            t.logits,
             &params,
             &cp,
             std::slice::from_ref(&(0..N)),
@@ -711,7 +844,14 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
                 &r[h].memory_sets[N / S - 1],
                 "{what}: memory of the last tile"
             );
-            let (err, vmax) = assert_outputs_match(&t, h, &inputs[h].2, &r[h].output, &what);
+            let output = t.with_sink(
+                h,
+                &inputs[h].0,
+                &inputs[h].1,
+                r[h].output.clone(),
+                &r[h].key_sets,
+            );
+            let (err, vmax) = assert_outputs_match(&t, h, &inputs[h].2, &output, &what);
             max_err = max_err.max(err);
             max_v = max_v.max(vmax);
         }

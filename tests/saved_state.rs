@@ -10,7 +10,8 @@ mod common;
 use std::path::Path;
 
 use h2o_llama::{
-    Error, H2oConfig, PromptCache, Sampler, SamplerConfig, Selection, Session, SessionConfig, Token,
+    CacheType, Error, H2oConfig, PromptCache, Sampler, SamplerConfig, Selection, Session,
+    SessionConfig, Token,
 };
 
 fn config(h2o: Option<H2oConfig>) -> SessionConfig {
@@ -243,20 +244,63 @@ fn the_prompt_cache_is_used_only_for_a_prompt_it_begins() {
     let path = dir.join("prompt.cache");
     let h2o = Some(H2oConfig::new(32, 32));
 
+    // A's 300 tokens in chunks of 128 with a dense tail of 64 from 236: the cache holds the
+    // chunk boundary before the tail
     let mut s = Session::new(m, config(h2o)).unwrap();
     assert_eq!(
         s.load_prompt_cache(&path, &a).unwrap(),
         PromptCache::Missing
     );
-    s.evaluate(&a).unwrap();
-    s.save_state(&path).unwrap();
+    assert_eq!(
+        s.evaluate_saving_prompt_cache(&a, &path, |_, _| {})
+            .unwrap(),
+        Some(128)
+    );
+    let a_logits = s.logits().unwrap().to_vec();
+    let mut fresh = Session::new(m, config(h2o)).unwrap();
+    fresh.evaluate(&a).unwrap();
+    assert_eq!(
+        a_logits,
+        fresh.logits().unwrap(),
+        "the save changed the prefill"
+    );
 
+    // A then B from the cache: exactly a fresh session's prefill of A + B, state and all
     let mut s = Session::new(m, config(h2o)).unwrap();
     assert_eq!(
         s.load_prompt_cache(&path, &ab).unwrap(),
-        PromptCache::Reused { tokens: a.len() }
+        PromptCache::Reused { tokens: 128 }
     );
-    assert_eq!(s.tokens(), a.as_slice());
+    assert_eq!(s.tokens(), &a[..128]);
+    // A + B is 520 tokens in calls of 512: the last call holds 8, and the dense tail is that
+    // call, so the boundary before it is 512
+    assert_eq!(
+        s.evaluate_saving_prompt_cache(&ab[128..], &dir.join("ab.cache"), |_, _| {})
+            .unwrap(),
+        Some(512)
+    );
+    let mut fresh = Session::new(m, config(h2o)).unwrap();
+    fresh.evaluate(&ab).unwrap();
+    assert_eq!(s.logits().unwrap(), fresh.logits().unwrap());
+    assert!(
+        common::h2o_snapshot(&s) == common::h2o_snapshot(&fresh),
+        "the H2O state after the cached prompt differs from a fresh prefill's"
+    );
+
+    // a state saved after a whole prompt (its dense tail ran) begins the prompt but is not what a
+    // fresh prefill leaves: not loaded
+    let stale = dir.join("stale.cache");
+    fresh.save_state(&stale).unwrap();
+    let longer = [ab.as_slice(), &a[..20]].concat();
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    assert_eq!(
+        s.load_prompt_cache(&stale, &longer).unwrap(),
+        PromptCache::NotFresh { cached: ab.len() }
+    );
+    assert_eq!(s.n_past(), 0);
+
+    // the cache of A holds its first 128 tokens
+    let a = a[..128].to_vec();
 
     // the whole prompt (a state has no logits to sample from) or another prompt: not loaded
     let mut s = Session::new(m, config(h2o)).unwrap();
@@ -285,4 +329,57 @@ fn the_prompt_cache_is_used_only_for_a_prompt_it_begins() {
     let mut s = Session::new(m, config(Some(H2oConfig::new(64, 32)))).unwrap();
     let err = s.load_prompt_cache(&path, &ab).unwrap_err().to_string();
     assert!(err.contains("h2o_local"), "{err}");
+}
+
+/// A quantized KV cache (`-ctk q8_0 -ctv q8_0`) saves and reuses its state as an F16 one does:
+/// a prompt cache continues exactly as a fresh session; a state saved with other cache types is
+/// refused with a message naming the flag.
+#[test]
+fn a_quantized_cache_saves_reuses_and_refuses_other_types() {
+    let m = common::model();
+    let (a, b) = prompts();
+    let ab = [a.as_slice(), b.as_slice()].concat();
+    let dir = common::scratch("quantized-state");
+    let path = dir.join("q8.cache");
+    let q8 = SessionConfig {
+        cache_type_k: CacheType::Q8_0,
+        cache_type_v: CacheType::Q8_0,
+        ..config(Some(H2oConfig::new(32, 32)))
+    };
+
+    let mut s = Session::new(m, q8.clone()).unwrap();
+    s.evaluate_saving_prompt_cache(&a, &path, |_, _| {})
+        .unwrap();
+    let mut s = Session::new(m, q8.clone()).unwrap();
+    assert_eq!(
+        s.load_prompt_cache(&path, &ab).unwrap(),
+        PromptCache::Reused { tokens: 128 }
+    );
+    s.evaluate_saving_prompt_cache(&ab[128..], &dir.join("ab.cache"), |_, _| {})
+        .unwrap();
+    let mut fresh = Session::new(m, q8.clone()).unwrap();
+    fresh.evaluate(&ab).unwrap();
+    assert_eq!(s.logits().unwrap(), fresh.logits().unwrap());
+
+    for (k, v, flag) in [
+        (CacheType::F16, CacheType::Q8_0, "-ctk"),
+        (CacheType::Q8_0, CacheType::Q4_0, "-ctv"),
+    ] {
+        let mut other = Session::new(
+            m,
+            SessionConfig {
+                cache_type_k: k,
+                cache_type_v: v,
+                ..q8.clone()
+            },
+        )
+        .unwrap();
+        other.evaluate(&b[..10]).unwrap();
+        let err = other.load_state(&path).unwrap_err().to_string();
+        assert!(err.contains(flag), "-ctk {k} -ctv {v}: {err}");
+        // llama.cpp finds the mismatch while reading the cache: the error says the session was
+        // emptied, and it was
+        assert!(err.contains("emptied"), "-ctk {k} -ctv {v}: {err}");
+        assert_eq!(other.n_past(), 0, "-ctk {k} -ctv {v}");
+    }
 }

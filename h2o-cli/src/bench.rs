@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use h2o_llama::bench::{self, Engine, Measurement, Point, Report, Run};
-use h2o_llama::{chart, default_model, models};
+use h2o_llama::{chart, default_model, models, CacheType};
 
 /// `-b` unless given: the design's `-b 4096 -ub 1024`.
 const DEFAULT_BATCH: u32 = 4096;
@@ -46,6 +46,12 @@ pub struct BenchArgs {
     batch_size: Option<u32>,
     #[command(flatten)]
     shape: crate::H2oShape,
+    /// KV cache type for K (-ctk), for both engines
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_k: CacheType,
+    /// KV cache type for V (-ctv), for both engines
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_v: CacheType,
     /// The stock (unpatched) build's h2o-cli to compare against; build it with
     /// `cargo build --release -p h2o-cli --features stock --target-dir target/stock`. Without it the
     /// baseline is full attention in this build, and is labelled so.
@@ -176,6 +182,8 @@ fn measure(exe: &Path, model: &Path, args: &BenchArgs, run: &Run) -> Result<Meas
         .args(["--ubatch-size", &args.shape.ubatch_size.to_string()])
         .args(["-t", &args.threads.to_string()])
         .args(["--n-gpu-layers", &args.n_gpu_layers.to_string()])
+        .args(["--cache-type-k", args.cache_type_k.name()])
+        .args(["--cache-type-v", args.cache_type_v.name()])
         .args(["-n", "0", "--temp", "0", "--json"]);
     if run.engine == Engine::H2o {
         cmd.args(["--h2o-local", &args.shape.h2o_local.to_string()])

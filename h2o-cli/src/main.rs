@@ -10,8 +10,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use h2o_llama::{
-    default_model, demo, llama_flags, models, Error, FlashAttention, Generation, H2oConfig, Model,
-    ModelParams, PromptCache, Sampler, SamplerConfig, Selection, Session, SessionConfig,
+    default_model, demo, llama_flags, models, CacheType, Error, FlashAttention, Generation,
+    H2oConfig, H2oState, Model, ModelParams, PromptCache, Sampler, SamplerConfig, Selection,
+    Session, SessionConfig,
 };
 
 /// Exit codes (documented in README): distinct per failure class.
@@ -80,6 +81,12 @@ struct Cli {
     /// Flash attention (-fa): on, off or auto
     #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
     flash_attn: FlashAttention,
+    /// KV cache type for K (-ctk): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_k: CacheType,
+    /// KV cache type for V (-ctv), as -ctk; a quantized V needs flash attention
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_v: CacheType,
     /// Layers to offload to the GPU (-ngl), with a CUDA build
     #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
     n_gpu_layers: i32,
@@ -232,8 +239,11 @@ struct Record<'a> {
     prompt_tokens: usize,
     generated_tokens: usize,
     chunks: usize,
-    /// chunks that attended to a memory set (all but chunk 0 with H2O; 0 with full attention)
-    sparse_chunks: usize,
+    /// chunks of this prompt whose queries attended to a memory set, as llama.cpp counted them
+    /// (0 with full attention)
+    sparse_chunks: u32,
+    /// prompt tokens that attended to the whole prompt (the dense tail), as llama.cpp counted them
+    dense_tail_tokens: u32,
     /// bytes of the H2O state (scores, memory sets, chunk sums), 0 with full attention
     h2o_state_bytes: u64,
     n_batch: u32,
@@ -247,7 +257,7 @@ struct Record<'a> {
     stopped_at_eog: bool,
     /// the process's peak resident memory (Linux), for benchmarks
     peak_rss_bytes: Option<u64>,
-    /// bytes of the F16 K+V cache this context holds
+    /// bytes of the K+V cache this context holds (of the -ctk / -ctv types)
     kv_cache_bytes: u64,
     /// prompt tokens loaded from --prompt-cache instead of evaluated (not in prompt_tokens)
     cached_prompt_tokens: usize,
@@ -255,7 +265,7 @@ struct Record<'a> {
 }
 
 /// The llama.cpp multi-letter flags h2o-cli takes (clap cannot declare them).
-const LLAMA_FLAGS: &[&str] = &["-ub", "-fa", "-ngl"];
+const LLAMA_FLAGS: &[&str] = &["-ub", "-fa", "-ngl", "-ctk", "-ctv"];
 
 fn main() -> ExitCode {
     let cli = Cli::parse_from(llama_flags::expand(std::env::args(), LLAMA_FLAGS));
@@ -352,8 +362,9 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         Some(path) => use_prompt_cache(&mut session, path, &prompt, cli.json)?,
         None => 0,
     };
+    let before = session.h2o_state();
     let generation = prefill_and_generate(cli, &mut session, &prompt[cached..], &mut sampler)?;
-    report(cli, &model, &session, &generation, cached)
+    report(cli, &model, &session, &generation, cached, before)
 }
 
 /// The session the flags describe.
@@ -378,6 +389,8 @@ fn session_config(cli: &Cli) -> Result<SessionConfig> {
         n_ubatch: cli.ubatch_size,
         n_threads: cli.threads.unwrap_or(SessionConfig::default().n_threads),
         flash_attn: cli.flash_attn,
+        cache_type_k: cli.cache_type_k,
+        cache_type_v: cli.cache_type_v,
         h2o: h2o.is_enabled().then_some(h2o),
         ..SessionConfig::default()
     })
@@ -474,23 +487,31 @@ fn prefill_and_generate(
         )?);
     }
     let start = std::time::Instant::now();
-    session.evaluate_with_progress(rest, progress)?;
+    match &cli.prompt_cache {
+        // saved on the way, where a longer prompt can reuse it exactly
+        Some(path) => {
+            let saved = session.evaluate_saving_prompt_cache(rest, path, progress)?;
+            if !cli.json {
+                match saved {
+                    Some(n) => eprintln!(
+                        "h2o-cli: prompt cache {}: saved the first {n} tokens",
+                        path.display()
+                    ),
+                    None => eprintln!(
+                        "h2o-cli: prompt cache {}: kept as it was (it holds what a longer prompt can reuse)",
+                        path.display()
+                    ),
+                }
+            }
+        }
+        None => session.evaluate_with_progress(rest, progress)?,
+    }
     let prefill = start.elapsed();
     if let Some(path) = &cli.logits_out {
         let logits = session.logits().context("no logits after the prompt")?;
         let bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
         std::fs::write(path, bytes)
             .with_context(|| format!("cannot write the logits to {}", path.display()))?;
-    }
-    if let Some(path) = &cli.prompt_cache {
-        session.save_state(path)?;
-        if !cli.json {
-            eprintln!(
-                "h2o-cli: prompt cache {}: saved {} tokens",
-                path.display(),
-                session.n_past()
-            );
-        }
     }
     let mut g = session.generate_with_progress(&[], sampler, cli.n_predict, |_, _| {}, on_text)?;
     g.timings.prompt_tokens = rest.len();
@@ -506,16 +527,19 @@ fn report(
     session: &Session,
     generation: &Generation,
     cached: usize,
+    before: Option<H2oState>,
 ) -> Result<()> {
     let config = session.config();
     let t = &generation.timings;
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
     let h2o_state = session.h2o_state();
-    // chunk c >= 1 attends to its own keys and to the memory set M_{c-1}; chunk 0 has no memory
-    let sparse_chunks = if h2o_state.is_some() {
-        chunks.saturating_sub(1)
-    } else {
-        0
+    // what llama.cpp counted during this prompt (a loaded prompt cache brings its own counts)
+    let (sparse_chunks, dense_tail_tokens) = match (h2o_state, before) {
+        (Some(after), Some(before)) => (
+            after.sparse_chunks - before.sparse_chunks,
+            after.tail_tokens - before.tail_tokens,
+        ),
+        _ => (0, 0),
     };
     let mut stdout = std::io::stdout().lock();
     if cli.json {
@@ -525,6 +549,7 @@ fn report(
             generated_tokens: t.generated_tokens,
             chunks,
             sparse_chunks,
+            dense_tail_tokens,
             h2o_state_bytes: h2o_state.map_or(0, |s| s.size_bytes),
             n_batch: config.n_batch,
             n_ubatch: config.n_ubatch,
@@ -536,7 +561,11 @@ fn report(
             decode_tokens_per_second: t.decode_tokens_per_second(),
             stopped_at_eog: generation.stopped_at_eog,
             peak_rss_bytes: peak_rss_bytes(),
-            kv_cache_bytes: model.kv_cache_bytes(session.n_ctx()),
+            kv_cache_bytes: model.kv_cache_bytes_of(
+                session.n_ctx(),
+                config.cache_type_k,
+                config.cache_type_v,
+            ),
             cached_prompt_tokens: cached,
             text: &generation.text,
         };
@@ -547,7 +576,7 @@ fn report(
     writeln!(stdout)?;
     let attention = match h2o_state {
         Some(st) => format!(
-            "H2O: {sparse_chunks} of {chunks} chunks sparse, memory {} tokens (L={} H={}), state {:.2} MiB",
+            "H2O: {sparse_chunks} of {chunks} chunks sparse, {dense_tail_tokens} dense-tail tokens, memory {} tokens (L={} H={}), state {:.2} MiB",
             st.memory_size,
             st.local,
             st.heavy,
@@ -599,6 +628,14 @@ fn use_prompt_cache(
             format!(
                 "its {cached} tokens do not begin this prompt (the first {common} agree): \
                  evaluating the whole prompt, then replacing the cache"
+            ),
+        ),
+        PromptCache::NotFresh { cached } => (
+            0,
+            format!(
+                "its {cached} tokens begin this prompt, but its H2O state ran a dense tail or \
+                 left a chunk open, so continuing it would differ from a fresh run: evaluating \
+                 the whole prompt, then replacing the cache"
             ),
         ),
     };

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use h2o_llama::scoring::perplexity::{self, FarContext, ShapeScores, WindowOptions, FAR_TAIL};
 use h2o_llama::scoring::Summary;
-use h2o_llama::{H2oConfig, SessionConfig};
+use h2o_llama::{CacheType, H2oConfig, SessionConfig};
 
 #[derive(clap::Args, Debug)]
 pub struct PerplexityArgs {
@@ -48,16 +48,22 @@ pub struct PerplexityArgs {
     /// CPU threads
     #[arg(short = 't', long)]
     threads: Option<u32>,
+    /// KV cache type for K (-ctk), for full attention and every H2O shape alike
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_k: CacheType,
+    /// KV cache type for V (-ctv), likewise
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_v: CacheType,
     /// Print one JSON record instead of the table
     #[arg(long)]
     json: bool,
     // (help as an attribute: rustdoc would read the brackets as links)
     #[arg(
         long,
-        value_name = "L:H[:P[:S[:T[:N]]]],..",
+        value_name = "L:H[:P[:S[:T[:N[:G]]]]],..",
         value_delimiter = ',',
         value_parser = parse_shape,
-        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES]]]], \
+        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE]]]]], \
                 comma-separated, omitted parts as the library recommends; e.g. 512:0,0:512 for local-only and heavy-only \
                 at the same M as 256:256), against the same full attention, and print one row per shape \
                 (the main shape first; a shape named twice is scored once)"
@@ -72,10 +78,10 @@ pub struct PerplexityArgs {
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     let parts: Vec<&str> = s.split(':').collect();
-    if !(2..=6).contains(&parts.len()) {
+    if !(2..=7).contains(&parts.len()) {
         return Err(format!(
-            "{s:?}: write an H2O shape as L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES]]]], e.g. 256:256, \
-             256:256:h2o:0:0 or 256:256:coverage:4:64:16"
+            "{s:?}: write an H2O shape as L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE]]]]], e.g. \
+             256:256, 256:256:h2o:0:0 or 256:256:coverage:4:64:16:0.9"
         ));
     }
     let n = |v: &str| {
@@ -96,6 +102,12 @@ fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     if let Some(v) = parts.get(5) {
         shape.tile_samples = n(v)?;
     }
+    if let Some(v) = parts.get(6) {
+        shape.coverage = v
+            .trim()
+            .parse::<f32>()
+            .map_err(|e| format!("{s:?}: {v:?} is not a coverage share ({e})"))?;
+    }
     if !shape.is_enabled() {
         return Err(format!(
             "{s:?}: L = H = 0 is full attention, which is always scored"
@@ -113,6 +125,8 @@ struct Report {
     n_ctx: u32,
     n_batch: u32,
     n_ubatch: u32,
+    cache_type_k: CacheType,
+    cache_type_v: CacheType,
     /// None: full attention only (L = H = 0)
     h2o: Option<H2oConfig>,
     whole: Summary,
@@ -129,6 +143,8 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_batch: args.batch_size,
         n_ubatch: args.shape.ubatch_size,
         n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
+        cache_type_k: args.cache_type_k,
+        cache_type_v: args.cache_type_v,
         ..SessionConfig::default()
     };
     // the main shape first (unless L = H = 0: full attention only, how the stock build, which
@@ -184,6 +200,8 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_ctx: args.ctx_size,
         n_batch: args.batch_size,
         n_ubatch: args.shape.ubatch_size,
+        cache_type_k: args.cache_type_k,
+        cache_type_v: args.cache_type_v,
         h2o: shapes.first().copied(),
         whole: main.whole,
         second_half: main.second_half,

@@ -157,6 +157,16 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
         ),
         (&["-p", "x", "--no-such-flag"], 2, "--no-such-flag"),
         (
+            &["-p", "x", "-ctk", "q9_0"],
+            2,
+            "unknown KV cache type \"q9_0\": use one of f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1",
+        ),
+        (
+            &["-p", "x", "-ctv", "q8_0", "-fa", "off"],
+            3,
+            "a quantized V cache (-ctv q8_0) needs flash attention",
+        ),
+        (
             &["-p", "x", "--h2o-select", "nope"],
             2,
             "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean, hybrid, coverage",
@@ -306,15 +316,17 @@ fn h2o_prefill_runs_end_to_end() {
 }
 
 #[test]
-fn prompt_cache_reuses_a_saved_prefix_like_llama_cli() {
-    // the seed rule without a dense tail gives the same result however a prompt is split into
-    // calls, so a cached prefix plus the rest must generate what the whole prompt generates
+fn prompt_cache_continues_exactly_as_a_fresh_run() {
+    // The case that used to differ: the default policy with its dense tail, a first prompt that
+    // ends inside a chunk, then a longer prompt beginning with it. The cache holds the first
+    // prompt up to the chunk boundary before its dense tail, and the longer prompt's text and
+    // next-token logits equal a fresh run of it.
     let dir = common::scratch("cli-prompt-cache");
     let cache = dir.join("prompt.cache");
     let cache_arg = cache.to_str().unwrap();
     let first = h2o_llama::demo::prompt(10);
-    let second = format!("{first} The ledger was then closed and");
-    let run_with = |local: &str, prompt: &str, extra: &[&str]| {
+    let second = format!("{first} The ledger was then closed, and the clerk wrote that");
+    let run_with = |local: &str, prompt: &str, logits: &std::path::Path, extra: &[&str]| {
         let mut args = vec![
             "-p",
             prompt,
@@ -326,19 +338,15 @@ fn prompt_cache_reuses_a_saved_prefix_like_llama_cli() {
             "-c",
             "1024",
             "-b",
-            "512",
+            "256",
             "-ub",
-            "128",
+            "64",
             "--h2o-local",
             local,
             "--h2o-heavy",
-            "32",
-            "--h2o-select",
-            "h2o",
-            "--h2o-sink",
-            "0",
-            "--h2o-dense-tail",
-            "0",
+            "16",
+            "--logits-out",
+            logits.to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
         let o = cli(&args);
@@ -348,42 +356,114 @@ fn prompt_cache_reuses_a_saved_prefix_like_llama_cli() {
             stderr(&o),
         )
     };
-    let run = |prompt: &str, extra: &[&str]| run_with("32", prompt, extra);
+    let run = |prompt: &str, logits: &std::path::Path, extra: &[&str]| {
+        run_with("16", prompt, logits, extra)
+    };
+    let logits = |name: &str| dir.join(name);
 
-    let (code, v1, err) = run(&first, &["--prompt-cache", cache_arg]);
+    let (code, v1, err) = run(&first, &logits("1"), &["--prompt-cache", cache_arg]);
     assert_eq!(code, Some(0), "{err}");
     let v1 = v1.unwrap();
     assert_eq!(v1["cached_prompt_tokens"], 0, "{v1}");
-    assert!(cache.exists(), "no prompt cache written: {err}");
     let n_first = v1["prompt_tokens"].as_u64().unwrap();
-    assert!(n_first > 128, "{v1}");
+    // mid-chunk, with a dense tail of 64 that reaches back into the chunk before
+    assert!(n_first % 64 != 0 && n_first > 256, "{v1}");
+    assert_eq!(v1["dense_tail_tokens"].as_u64(), Some(64), "{v1}");
+    assert!(cache.exists(), "no prompt cache written: {err}");
+    // saved at the chunk boundary before the tail
+    let boundary = (n_first - 64) / 64 * 64;
 
-    let (code, v2, err) = run(&second, &["--prompt-cache", cache_arg]);
+    let (code, v2, err) = run(&second, &logits("2"), &["--prompt-cache", cache_arg]);
     assert_eq!(code, Some(0), "{err}");
     let v2 = v2.unwrap();
-    assert_eq!(v2["cached_prompt_tokens"].as_u64(), Some(n_first), "{v2}");
+    assert_eq!(v2["cached_prompt_tokens"].as_u64(), Some(boundary), "{v2}");
 
-    let (code, v3, err) = run(&second, &[]);
+    let (code, v3, err) = run(&second, &logits("3"), &[]);
     assert_eq!(code, Some(0), "{err}");
     let v3 = v3.unwrap();
     assert_eq!(
-        v2["prompt_tokens"].as_u64().unwrap() + n_first,
+        v2["prompt_tokens"].as_u64().unwrap() + boundary,
         v3["prompt_tokens"].as_u64().unwrap()
     );
-    assert_eq!(v2["text"], v3["text"], "cached run {v2}\nwhole prompt {v3}");
+    assert_eq!(v2["text"], v3["text"], "cached run {v2}\nfresh run {v3}");
+    assert!(
+        std::fs::read(logits("2")).unwrap() == std::fs::read(logits("3")).unwrap(),
+        "the next-token logits after the cached run differ from a fresh run's"
+    );
+    // the engine's counts: every chunk after the first that starts before the dense tail (the
+    // last 64 tokens) ran sparse, in the fresh run and in the part the cached run evaluated
+    let n_second = v3["prompt_tokens"].as_u64().unwrap();
+    let sparse_from = |first: u64| {
+        (first / 64..)
+            .take_while(|c| c * 64 < n_second - 64)
+            .filter(|&c| c >= 1)
+            .count() as u64
+    };
+    assert_eq!(v3["sparse_chunks"].as_u64(), Some(sparse_from(0)), "{v3}");
+    assert_eq!(
+        v2["sparse_chunks"].as_u64(),
+        Some(sparse_from(boundary)),
+        "{v2}"
+    );
+    assert_eq!(v2["dense_tail_tokens"].as_u64(), Some(64), "{v2}");
 
     // a cache saved with other H2O settings is refused, not overwritten
     let before = std::fs::read(&cache).unwrap();
-    let (code, _, err) = run_with("64", &second, &["--prompt-cache", cache_arg]);
+    let (code, _, err) = run_with("32", &second, &logits("4"), &["--prompt-cache", cache_arg]);
     assert_eq!(code, Some(3), "{err}");
     assert!(
-        err.contains("h2o_local = 32") && err.contains(cache_arg),
+        err.contains("h2o_local = 16") && err.contains(cache_arg),
         "{err}"
     );
     assert!(
         std::fs::read(&cache).unwrap() == before,
         "the cache was changed"
     );
+}
+
+#[test]
+fn the_engine_counts_sparse_chunks_and_dense_tail_tokens() {
+    let run = |tail: &str| {
+        let o = cli(&[
+            "-p",
+            &h2o_llama::demo::prompt(20),
+            "-n",
+            "1",
+            "--temp",
+            "0",
+            "-b",
+            "1024",
+            "-ub",
+            "128",
+            "--h2o-local",
+            "32",
+            "--h2o-heavy",
+            "32",
+            "--h2o-dense-tail",
+            tail,
+            "--json",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let v = run("0");
+    let chunks = v["chunks"].as_u64().unwrap();
+    assert!(chunks >= 4, "{v}");
+    assert_eq!(v["sparse_chunks"].as_u64(), Some(chunks - 1), "{v}");
+    assert_eq!(v["dense_tail_tokens"].as_u64(), Some(0), "{v}");
+    // a tail covering the whole prompt: full attention for every token, no chunk sparse
+    let n = v["prompt_tokens"].as_u64().unwrap();
+    let v = run("1024");
+    assert_eq!(v["sparse_chunks"].as_u64(), Some(0), "{v}");
+    assert_eq!(v["dense_tail_tokens"].as_u64(), Some(n), "{v}");
+    // a tail of 200: the chunks it covers whole run dense
+    let v = run("200");
+    let dense_from = (n - 200) as usize;
+    let sparse = (1..chunks as usize)
+        .filter(|c| c * 128 < dense_from)
+        .count() as u64;
+    assert_eq!(v["sparse_chunks"].as_u64(), Some(sparse), "{v}");
+    assert_eq!(v["dense_tail_tokens"].as_u64(), Some(200), "{v}");
 }
 
 #[test]

@@ -12,7 +12,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Parser;
 use h2o_llama::{
-    default_model, llama_flags, models, Error, FlashAttention, H2oConfig, Selection, SessionConfig,
+    default_model, llama_flags, models, CacheType, Error, FlashAttention, H2oConfig, Selection,
+    SessionConfig,
 };
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
@@ -81,6 +82,12 @@ struct Cli {
     /// that a request's greedy answer could depend on its neighbours
     #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
     flash_attn: FlashAttention,
+    /// KV cache type for K (-ctk): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_k: CacheType,
+    /// KV cache type for V (-ctv), as -ctk; a quantized V needs flash attention
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
+    cache_type_v: CacheType,
     /// Layers to offload to the GPU (-ngl), with a CUDA build
     #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
     n_gpu_layers: i32,
@@ -148,7 +155,7 @@ struct Cli {
 }
 
 /// The llama-server multi-letter flags h2o-server takes (clap cannot declare them).
-const LLAMA_FLAGS: &[&str] = &["-np", "-ub", "-fa", "-ngl"];
+const LLAMA_FLAGS: &[&str] = &["-np", "-ub", "-fa", "-ngl", "-ctk", "-ctv"];
 
 fn main() -> ExitCode {
     let cli = Cli::parse_from(llama_flags::expand(std::env::args(), LLAMA_FLAGS));
@@ -261,6 +268,9 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_batch: cli.batch_size,
         n_ubatch: cli.ubatch_size,
         n_threads,
+        flash_attn: cli.flash_attn,
+        cache_type_k: cli.cache_type_k,
+        cache_type_v: cli.cache_type_v,
         h2o,
         ..SessionConfig::default()
     };
@@ -283,6 +293,8 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_ubatch: cli.ubatch_size,
         n_threads,
         flash_attn: cli.flash_attn,
+        cache_type_k: cli.cache_type_k,
+        cache_type_v: cli.cache_type_v,
         n_gpu_layers: cli.n_gpu_layers,
         h2o,
         queue_capacity: cli.queue,

@@ -398,6 +398,7 @@ fn chat_completions_and_completion_answer_in_their_shapes() {
         "ttft_ms",
         "h2o_chunks",
         "h2o_sparse_chunks",
+        "h2o_dense_tail_tokens",
         "h2o_memory_size",
     ] {
         assert!(t[field].is_number(), "timings.{field}: {llama}");

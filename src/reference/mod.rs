@@ -22,8 +22,10 @@ pub use memory::{build_memory_set, MemorySet};
 pub use select::{
     query_sample, select_by_query, QuerySelection, SAMPLE_LAST, SAMPLE_STRIDE, SELECT_BLOCK,
 };
+pub use softmax::{
+    apply_sink, dense_attention, merge_partial_softmax, Logits, Matrix, PartialSoftmax,
+};
 pub(crate) use softmax::{attend, dot};
-pub use softmax::{dense_attention, merge_partial_softmax, Matrix, PartialSoftmax};
 pub use tiles::{
     h2o_attention_coverage, select_by_tiles, tile_samples, tiles_of, CoverageParams, TileMemory,
     BUDGET_STEP, MAX_HEAVY_FACTOR, TILE,
@@ -76,16 +78,17 @@ pub struct HeadResult {
 }
 
 /// H2O attention of one query head against its KV head (SPEC items 1–6).
-/// `q`, `k`: `N × d`; `v`: `N × dv`; `scale` is the logit scale (1/√d usually).
+/// `q`, `k`: `N × d`; `v`: `N × dv`; `logits`: the logit scale (1/√d usually), or [`Logits`]
+/// with a soft-cap.
 #[must_use]
 pub fn h2o_attention_head(
     q: &Matrix,
     k: &Matrix,
     v: &Matrix,
-    scale: f64,
+    logits: impl Into<Logits>,
     params: &H2oParams,
 ) -> HeadResult {
-    h2o_attention_head_given_memory(q, k, v, scale, params, &[])
+    h2o_attention_head_given_memory(q, k, v, logits, params, &[])
 }
 
 /// [`h2o_attention_head`], except that chunk `c + 1` attends to `given[c]` instead of the
@@ -100,10 +103,11 @@ pub fn h2o_attention_head_given_memory(
     q: &Matrix,
     k: &Matrix,
     v: &Matrix,
-    scale: f64,
+    logits: impl Into<Logits>,
     params: &H2oParams,
     given: &[MemorySet],
 ) -> HeadResult {
+    let logits = logits.into();
     let n = q.rows;
     assert!(
         k.rows == n && v.rows == n && k.cols == q.cols,
@@ -122,8 +126,9 @@ pub fn h2o_attention_head_given_memory(
     for (c, chunk) in chunks.iter().enumerate() {
         if c >= 1 && by_query {
             let sample = query_sample(chunk.clone());
-            memory_sets
-                .push(select_by_query(params, q, k, scale, chunk.start, &sample, &scores).set);
+            memory_sets.push(
+                select_by_query(params, q, k, logits.scale, chunk.start, &sample, &scores).set,
+            );
             build_scores.push(scores.clone());
         }
         if c >= 1 {
@@ -137,13 +142,13 @@ pub fn h2o_attention_head_given_memory(
             let (row, keys) = if i >= tail_start {
                 // the dense tail: every position up to i, no scores
                 let keys: Vec<usize> = (0..=i).collect();
-                (attend(q.row(i), k, v, scale, &keys).0.output(), keys)
+                (attend(q.row(i), k, v, logits, &keys).0.output(), keys)
             } else {
                 attend_chunk_and_memory(
                     q.row(i),
                     k,
                     v,
-                    scale,
+                    logits,
                     chunk.start..=i,
                     &memory,
                     &mut scores,
@@ -174,14 +179,14 @@ pub(super) fn attend_chunk_and_memory(
     q: &[f64],
     k: &Matrix,
     v: &Matrix,
-    scale: f64,
+    logits: Logits,
     intra: RangeInclusive<usize>,
     memory: &[usize],
     scores: &mut [f64],
 ) -> (Vec<f64>, Vec<usize>) {
     let intra_keys: Vec<usize> = intra.collect();
-    let (intra, a_intra) = attend(q, k, v, scale, &intra_keys);
-    let (inter, a_inter) = attend(q, k, v, scale, memory);
+    let (intra, a_intra) = attend(q, k, v, logits, &intra_keys);
+    let (inter, a_inter) = attend(q, k, v, logits, memory);
     for (&j, w) in intra_keys
         .iter()
         .zip(&a_intra)
@@ -205,9 +210,10 @@ pub fn h2o_attention(
     q: &[Matrix],
     k: &[Matrix],
     v: &[Matrix],
-    scale: f64,
+    logits: impl Into<Logits>,
     params: &H2oParams,
 ) -> Vec<HeadResult> {
+    let logits = logits.into();
     assert!(
         !k.is_empty() && k.len() == v.len() && q.len().is_multiple_of(k.len()),
         "bad head counts"
@@ -215,7 +221,7 @@ pub fn h2o_attention(
     let group = q.len() / k.len();
     q.iter()
         .enumerate()
-        .map(|(h, qh)| h2o_attention_head(qh, &k[h / group], &v[h / group], scale, params))
+        .map(|(h, qh)| h2o_attention_head(qh, &k[h / group], &v[h / group], logits, params))
         .collect()
 }
 

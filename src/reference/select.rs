@@ -42,7 +42,9 @@ pub struct QuerySelection {
 /// (`Query`, `Hybrid`) or the product with their mean (`QueryMean`). Under [`Selection::Hybrid`]
 /// the blocks fill only `⌈(H − |Sink|)/2⌉` positions; the rest go to the candidates outside
 /// the taken blocks with the highest `scores` (the seed rule's accumulated attention), ties to
-/// the lower position.
+/// the lower position. The bounds are plain scaled products: an estimate of where attention
+/// goes, which a model's logit soft-cap (monotone) would only flatten, so the engine and this
+/// reference leave it out here.
 #[must_use]
 pub fn select_by_query(
     params: &H2oParams,

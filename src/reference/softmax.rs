@@ -69,18 +69,49 @@ impl Matrix {
 pub(crate) fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
+
+/// How a query's logit for a key is formed: `x = scale · q·k`, then, when `softcap > 0`
+/// (Gemma 2), `softcap · tanh(x / softcap)`, as ggml's flash attention and the H2O op do. A bare
+/// `f64` converts to the scale alone.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Logits {
+    pub scale: f64,
+    /// 0: no soft-capping.
+    pub softcap: f64,
+}
+
+impl Logits {
+    #[must_use]
+    pub fn logit(&self, q: &[f64], k: &[f64]) -> f64 {
+        let x = self.scale * dot(q, k);
+        if self.softcap > 0.0 {
+            self.softcap * (x / self.softcap).tanh()
+        } else {
+            x
+        }
+    }
+}
+
+impl From<f64> for Logits {
+    fn from(scale: f64) -> Self {
+        Self {
+            scale,
+            softcap: 0.0,
+        }
+    }
+}
 /// Softmax of query `i` over `keys`: the partial state and the attention weights (one per key).
 pub(crate) fn attend(
     q: &[f64],
     k: &Matrix,
     v: &Matrix,
-    scale: f64,
+    logits: Logits,
     keys: &[usize],
 ) -> (PartialSoftmax, Vec<f64>) {
     if keys.is_empty() {
         return (PartialSoftmax::empty(v.cols), vec![]);
     }
-    let logits: Vec<f64> = keys.iter().map(|&j| scale * dot(q, k.row(j))).collect();
+    let logits: Vec<f64> = keys.iter().map(|&j| logits.logit(q, k.row(j))).collect();
     let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let p: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
     let l: f64 = p.iter().sum();
@@ -100,12 +131,42 @@ pub fn dense_attention(
     q: &Matrix,
     k: &Matrix,
     v: &Matrix,
-    scale: f64,
+    logits: impl Into<Logits>,
     key_sets: &[Vec<usize>],
 ) -> Matrix {
+    let logits = logits.into();
     let mut out = Vec::with_capacity(q.rows * v.cols);
     for (i, keys) in key_sets.iter().enumerate() {
-        out.extend(attend(q.row(i), k, v, scale, keys).0.output());
+        out.extend(attend(q.row(i), k, v, logits, keys).0.output());
     }
     Matrix::new(q.rows, v.cols, out)
+}
+
+/// A learned attention sink (gpt-oss) on an attention output: each query's `sink` logit joins
+/// the softmax denominator of its keys (`key_sets[i]`, as [`HeadResult::key_sets`] lists them),
+/// so its output row shrinks by `Z / (Z + e^sink)`, `Z = Σ_keys e^logit`. The sink is no key: the
+/// scores and memory sets do not change.
+///
+/// [`HeadResult::key_sets`]: super::HeadResult::key_sets
+pub fn apply_sink(
+    output: &mut Matrix,
+    q: &Matrix,
+    k: &Matrix,
+    logits: impl Into<Logits>,
+    key_sets: &[Vec<usize>],
+    sink: f64,
+) {
+    let logits = logits.into();
+    for (i, keys) in key_sets.iter().enumerate() {
+        let x: Vec<f64> = keys
+            .iter()
+            .map(|&j| logits.logit(q.row(i), k.row(j)))
+            .collect();
+        let m = x.iter().copied().fold(sink, f64::max);
+        let z: f64 = x.iter().map(|x| (x - m).exp()).sum();
+        let keep = z / (z + (sink - m).exp());
+        for o in &mut output.data[i * output.cols..(i + 1) * output.cols] {
+            *o *= keep;
+        }
+    }
 }

@@ -142,9 +142,9 @@ fn merge_is_exact() {
         rng.matrix(10, 5, 1.0),
     );
     let all: Vec<usize> = (0..10).collect();
-    let (whole, _) = attend(q.row(0), &k, &v, 0.5, &all);
-    let (a, _) = attend(q.row(0), &k, &v, 0.5, &all[..3]);
-    let (b, _) = attend(q.row(0), &k, &v, 0.5, &all[3..]);
+    let (whole, _) = attend(q.row(0), &k, &v, 0.5.into(), &all);
+    let (a, _) = attend(q.row(0), &k, &v, 0.5.into(), &all[..3]);
+    let (b, _) = attend(q.row(0), &k, &v, 0.5.into(), &all[3..]);
     let merged = merge_partial_softmax(&a, &b);
     for (x, y) in merged.output().iter().zip(whole.output()) {
         assert!((x - y).abs() < 1e-14);
@@ -355,4 +355,70 @@ fn gqa_heads_share_kv_and_select_per_head() {
         results[0].memory_sets, results[1].memory_sets,
         "heads 0 and 1 share KV head 0 but should differ"
     );
+}
+
+#[test]
+fn soft_capped_logits_are_the_logits_of_every_part() {
+    // logits well beyond the cap, so that capping changes the attention
+    let mut rng = Rng(2024);
+    let (n, amp) = (70, 6.0);
+    let (q, k, v) = (
+        rng.matrix(n, D, amp),
+        rng.matrix(n, D, amp),
+        rng.matrix(n, D, 1.0),
+    );
+    let capped = Logits {
+        scale: 1.0,
+        softcap: 5.0,
+    };
+    for select in [Selection::H2o, Selection::Hybrid] {
+        let p = H2oParams {
+            chunk: 16,
+            local: 4,
+            heavy: 6,
+            select,
+            sink: 2,
+            tail_start: Some(60),
+        };
+        let r = h2o_attention_head(&q, &k, &v, capped, &p);
+        let dense = dense_attention(&q, &k, &v, capped, &r.key_sets);
+        assert!(max_abs_diff(&r.output, &dense) < 1e-12, "{select:?}");
+        let uncapped = dense_attention(&q, &k, &v, 1.0, &r.key_sets);
+        assert!(
+            max_abs_diff(&r.output, &uncapped) > 1e-3,
+            "{select:?}: the cap changed nothing"
+        );
+    }
+}
+
+#[test]
+fn a_sink_joins_each_query_denominator_and_nothing_else() {
+    let mut rng = Rng(77);
+    let (n, sink) = (40, 1.5);
+    let (q, k, v) = (
+        rng.matrix(n, D, 2.0),
+        rng.matrix(n, D, 2.0),
+        rng.matrix(n, 5, 1.0),
+    );
+    let p = H2oParams {
+        chunk: 16,
+        local: 3,
+        heavy: 5,
+        ..Default::default()
+    };
+    let r = h2o_attention_head(&q, &k, &v, 0.5, &p);
+    let mut with_sink = r.output.clone();
+    apply_sink(&mut with_sink, &q, &k, 0.5, &r.key_sets, sink);
+    for (i, keys) in r.key_sets.iter().enumerate() {
+        // softmax over the keys' logits and the sink logit, the sink's share going nowhere
+        let e: Vec<f64> = keys
+            .iter()
+            .map(|&j| (0.5 * dot(q.row(i), k.row(j))).exp())
+            .collect();
+        let z: f64 = e.iter().sum::<f64>() + f64::exp(sink);
+        for d in 0..v.cols {
+            let want: f64 = keys.iter().zip(&e).map(|(&j, x)| x / z * v.row(j)[d]).sum();
+            assert!((with_sink.row(i)[d] - want).abs() < 1e-12);
+        }
+    }
 }

@@ -24,7 +24,7 @@
 use std::ops::Range;
 
 use super::{
-    attend, attend_chunk_and_memory, chunk_bounds, dot, H2oParams, HeadResult, Matrix, MemorySet,
+    attend, attend_chunk_and_memory, chunk_bounds, H2oParams, HeadResult, Logits, Matrix, MemorySet,
 };
 
 /// Queries per tile (`H2O_QT` of the CPU kernel).
@@ -92,8 +92,8 @@ pub fn tiles_of(cs: usize, rows: &Range<usize>) -> Vec<(usize, Range<usize>)> {
 }
 
 /// The full causal attention of query `i` (row of `q`) over `[0, i]`.
-fn causal_attention(q: &Matrix, k: &Matrix, scale: f64, i: usize) -> Vec<f64> {
-    let logits: Vec<f64> = (0..=i).map(|j| scale * dot(q.row(i), k.row(j))).collect();
+fn causal_attention(q: &Matrix, k: &Matrix, logits: Logits, i: usize) -> Vec<f64> {
+    let logits: Vec<f64> = (0..=i).map(|j| logits.logit(q.row(i), k.row(j))).collect();
     let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
     let z: f64 = e.iter().sum();
@@ -111,10 +111,11 @@ pub fn select_by_tiles(
     cp: &CoverageParams,
     q: &[Matrix],
     k: &[Matrix],
-    scale: f64,
+    logits: impl Into<Logits>,
     cs: usize,
     rows: Range<usize>,
 ) -> Vec<Vec<TileMemory>> {
+    let lg = logits.into();
     let group = q.len() / k.len();
     let local_start = cs.saturating_sub(params.local);
     let sink_end = params.sink.min(local_start);
@@ -132,7 +133,7 @@ pub fn select_by_tiles(
             let samples = tile_samples(*t0, present, cp.samples);
             let attention: Vec<Vec<f64>> = samples
                 .iter()
-                .map(|&i| causal_attention(qh, kh, scale, i))
+                .map(|&i| causal_attention(qh, kh, lg, i))
                 .collect();
             let mut score: Vec<(f64, usize)> = candidates
                 .clone()
@@ -150,7 +151,7 @@ pub fn select_by_tiles(
                         .collect();
                     let logits: Vec<f64> = keys
                         .iter()
-                        .map(|&j| scale * dot(qh.row(i), kh.row(j)))
+                        .map(|&j| lg.logit(qh.row(i), kh.row(j)))
                         .collect();
                     let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
@@ -252,11 +253,12 @@ pub fn h2o_attention_coverage(
     q: &[Matrix],
     k: &[Matrix],
     v: &[Matrix],
-    scale: f64,
+    logits: impl Into<Logits>,
     params: &H2oParams,
     cp: &CoverageParams,
     calls: &[Range<usize>],
 ) -> Vec<HeadResult> {
+    let logits = logits.into();
     let n = q[0].rows;
     let group = q.len() / k.len();
     let tail_start = params.tail_start.unwrap_or(usize::MAX);
@@ -278,7 +280,7 @@ pub fn h2o_attention_coverage(
             let tiles: Vec<Vec<TileMemory>> = if chunk.start == 0 {
                 vec![vec![]; q.len()]
             } else {
-                select_by_tiles(params, cp, q, k, scale, chunk.start, rows.clone())
+                select_by_tiles(params, cp, q, k, logits, chunk.start, rows.clone())
             };
             for (h, r) in results.iter_mut().enumerate() {
                 let (kh, vh) = (&k[h / group], &v[h / group]);
@@ -289,13 +291,13 @@ pub fn h2o_attention_coverage(
                         .map_or(&[], |t| &t.memory);
                     let (row, keys) = if i >= tail_start {
                         let keys: Vec<usize> = (0..=i).collect();
-                        (attend(q[h].row(i), kh, vh, scale, &keys).0.output(), keys)
+                        (attend(q[h].row(i), kh, vh, logits, &keys).0.output(), keys)
                     } else {
                         attend_chunk_and_memory(
                             q[h].row(i),
                             kh,
                             vh,
-                            scale,
+                            logits,
                             chunk.start..=i,
                             memory,
                             &mut r.scores,

@@ -29,6 +29,11 @@ pub struct H2oState {
     pub chunks_done: u32,
     /// Prompt positions in those chunks.
     pub tokens_done: u32,
+    /// Chunks whose queries attended to a memory set, counted by llama.cpp as they run, since
+    /// the sequence was last emptied (kept by cuts, carried by saved states).
+    pub sparse_chunks: u32,
+    /// Prompt positions that took the dense tail, counted likewise.
+    pub tail_tokens: u32,
     /// Whether a memory set has been built since the last reset.
     pub memory_initialized: bool,
     /// Bytes of the score and memory-index tensors of all layers.
@@ -208,6 +213,8 @@ pub(super) fn state_from_info(info: &sys::llama_h2o_info) -> H2oState {
         kv_size: info.kv_size as u32,
         chunks_done: info.n_chunks_done as u32,
         tokens_done: info.n_tokens_done as u32,
+        sparse_chunks: info.n_sparse_chunks as u32,
+        tail_tokens: info.n_tail_tokens as u32,
         memory_initialized: info.memory_initialized,
         size_bytes: info.size_bytes as u64,
     }

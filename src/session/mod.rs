@@ -9,7 +9,7 @@ mod parallel;
 mod prefix;
 mod state;
 
-pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
+pub use config::{CacheType, FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
 pub use parallel::{AbortCheck, ParallelSession, SeqId};
 pub use state::PromptCache;
@@ -189,6 +189,8 @@ fn context_params(config: &SessionConfig) -> sys::llama_context_params {
         FlashAttention::On => sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
         FlashAttention::Off => sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
     };
+    cp.type_k = config.cache_type_k.to_sys();
+    cp.type_v = config.cache_type_v.to_sys();
     cp.no_perf = false;
     #[cfg(not(feature = "stock"))]
     if let Some(h2o) = config.h2o.filter(H2oConfig::is_enabled) {
@@ -386,15 +388,19 @@ impl<'m> Session<'m> {
         tokens: &[Token],
         progress: impl FnMut(usize, usize),
     ) -> Result<()> {
-        self.evaluate_in_calls(tokens, false, progress)
+        self.evaluate_in_calls(tokens, false, true, progress)
     }
 
     /// Evaluates `tokens` in calls of at most `n_batch`; with `aligned`, the calls end at
     /// multiples of `n_batch` as those of a session that evaluated everything from position 0.
+    /// With `logits`, the last token's next-token logits are computed (and, under H2O, the last
+    /// call's dense tail runs); without, the tokens are a prompt's first part, as a prompt batch
+    /// that outputs no logits leaves them.
     fn evaluate_in_calls(
         &mut self,
         tokens: &[Token],
         aligned: bool,
+        logits: bool,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<()> {
         self.check_prompt(tokens)?;
@@ -408,7 +414,7 @@ impl<'m> Session<'m> {
                 n_batch
             };
             let piece = &tokens[done..tokens.len().min(done + room)];
-            let last = done + piece.len() == tokens.len();
+            let last = logits && done + piece.len() == tokens.len();
             self.batch.fill(piece, self.n_past, last);
             self.decode_batch()?;
             let start = self.n_past;
@@ -423,7 +429,7 @@ impl<'m> Session<'m> {
             done += piece.len();
             progress(done, tokens.len());
         }
-        self.has_logits = true;
+        self.has_logits = logits;
         Ok(())
     }
 

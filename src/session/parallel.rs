@@ -108,8 +108,13 @@ impl<'m> ParallelSession<'m> {
         }
         backend::init();
         let mut config = config;
-        if n_seq > 1 && config.flash_attn == FlashAttention::Auto {
-            config.flash_attn = FlashAttention::Off; // see the module documentation
+        // see the module documentation; a quantized V cache needs flash attention, as llama.cpp
+        // says, so auto stays auto (on) with one
+        if n_seq > 1
+            && config.flash_attn == FlashAttention::Auto
+            && !config.cache_type_v.is_quantized()
+        {
+            config.flash_attn = FlashAttention::Off;
         }
         let n_ctx_seq = match config.n_ctx {
             0 => model.n_ctx_train(),

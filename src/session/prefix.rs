@@ -45,7 +45,7 @@ impl Session<'_> {
         let kept = self.tokens[..n as usize].to_vec();
         let from = self.rewind(self.reusable(n, n)) as usize;
         if from < kept.len() {
-            self.evaluate_in_calls(&kept[from..], true, |_, _| {})?;
+            self.evaluate_in_calls(&kept[from..], true, true, |_, _| {})?;
         }
         self.has_logits = false;
         Ok(kept.len() - from)
@@ -73,8 +73,51 @@ impl Session<'_> {
         } else {
             0 // too long: evaluate_in_calls refuses it, and the session stays as it is
         };
-        self.evaluate_in_calls(&prompt[keep as usize..], true, |_, _| {})?;
+        self.evaluate_in_calls(&prompt[keep as usize..], true, true, |_, _| {})?;
         Ok(keep as usize)
+    }
+
+    /// llama-cli's `--prompt-cache`, made so that reusing the cache equals a fresh run: evaluates
+    /// `rest`, the prompt after the tokens the session holds (none, or a cache that
+    /// [`Session::load_prompt_cache`] reused), in the calls a fresh session evaluating the whole
+    /// prompt makes, and saves to `path` the state that a later prompt beginning with this one can
+    /// reuse exactly. With full attention that is the state after the whole prompt. With H2O it
+    /// is the state at the chunk boundary before this prompt's dense tail: a state saved after the
+    /// tail (which scores nothing) or inside a chunk (whose memory is chosen with the rows it has)
+    /// would make the continuation differ from a fresh prefill. So the evaluation stops at that
+    /// boundary for the save, then goes on; its result is a fresh session's. Returns the tokens
+    /// saved, or `None` when the session already held that boundary or more (the file is then
+    /// left as it is: it holds the same prefix or a longer one).
+    ///
+    /// # Errors
+    /// As [`Session::evaluate`]; [`Error::StateSave`] when the file cannot be written.
+    pub fn evaluate_saving_prompt_cache(
+        &mut self,
+        rest: &[Token],
+        path: &std::path::Path,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Option<usize>> {
+        self.check_prompt(rest)?;
+        let n_past = self.n_past as usize;
+        let n = u32::try_from(n_past + rest.len()).unwrap_or(u32::MAX);
+        let boundary = self.reusable(n, n) as usize;
+        if boundary <= n_past {
+            self.evaluate_in_calls(rest, true, true, progress)?;
+            return Ok(None);
+        }
+        let first = boundary - n_past;
+        let total = rest.len();
+        if first < total {
+            self.evaluate_in_calls(&rest[..first], true, false, &mut progress)?;
+            self.save_state(path)?;
+            self.evaluate_in_calls(&rest[first..], true, true, |done, _| {
+                progress(first + done, total);
+            })?;
+        } else {
+            self.evaluate_in_calls(rest, true, true, progress)?;
+            self.save_state(path)?;
+        }
+        Ok(Some(boundary))
     }
 
     /// How many of the session's first `common` tokens a session can keep and end up, once it
@@ -82,7 +125,7 @@ impl Session<'_> {
     /// evaluating that prompt ends up: all of them with full attention; with H2O, up to the
     /// chunk boundary before the fresh prefill's dense tail and before anything in the
     /// session's history a fresh prefill does not have.
-    fn reusable(&self, n: u32, common: u32) -> u32 {
+    pub(super) fn reusable(&self, n: u32, common: u32) -> u32 {
         reusable(self.h2o(), &self.config, n, common, self.fresh_until)
     }
 

@@ -30,6 +30,11 @@ pub enum PromptCache {
     /// The file's tokens (`cached` of them) do not begin the prompt, or are all of it: nothing
     /// was loaded. `common` is how many leading tokens agree.
     Unused { common: usize, cached: usize },
+    /// The file's tokens begin the prompt, but under H2O its state is not what a fresh prefill
+    /// of them leaves (a dense tail ran, or a chunk was left open: a state saved after a whole
+    /// prompt or after generating), so continuing it would differ from a fresh run of the
+    /// prompt: nothing was loaded.
+    NotFresh { cached: usize },
 }
 
 /// The header of a session state: the tokens it holds, and where its llama.cpp state begins.
@@ -357,6 +362,18 @@ impl Session<'_> {
             self.reset();
             return Ok(PromptCache::Unused { common, cached });
         }
+        // Under H2O a state is what a fresh prefill of its tokens leaves when llama.cpp's counts
+        // say that no position took the dense tail and every one is in a complete chunk (no
+        // decoded token, no chunk left open): what Session::evaluate_saving_prompt_cache saves.
+        // Only such a state continues exactly as a fresh run of the whole prompt would.
+        if let Some(st) = self.h2o_state() {
+            if st.tail_tokens > 0 || st.tokens_done as usize != cached {
+                self.reset();
+                return Ok(PromptCache::NotFresh { cached });
+            }
+        }
+        // nothing in its history differs from a fresh prefill's
+        self.fresh_until = u32::MAX;
         Ok(PromptCache::Reused { tokens: cached })
     }
 }

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use h2o_llama::{ChatMessage, FlashAttention, H2oConfig, Model, Selection, Token};
+use h2o_llama::{CacheType, ChatMessage, FlashAttention, H2oConfig, Model, Selection, Token};
 
 /// What the engine is started with (from the command line).
 #[derive(Debug, Clone)]
@@ -19,6 +19,9 @@ pub struct EngineConfig {
     pub n_ubatch: u32,
     pub n_threads: u32,
     pub flash_attn: FlashAttention,
+    /// KV cache types (`-ctk`, `-ctv`).
+    pub cache_type_k: CacheType,
+    pub cache_type_v: CacheType,
     pub n_gpu_layers: i32,
     pub h2o: Option<H2oConfig>,
     /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
@@ -115,10 +118,12 @@ pub struct JobTimings {
     pub cache_n: usize,
     /// Time from the job's arrival to its first generated token (queueing included).
     pub ttft_ms: f64,
-    /// H2O: chunks of the prompt, how many of them ran sparse, M = L + H, and the policy; all
-    /// zero / "full" without H2O.
+    /// H2O: chunks of the prompt, how many of them ran sparse and how many of its tokens took
+    /// the dense tail (both as llama.cpp counted them), M = L + H, and the policy; all zero /
+    /// "full" without H2O.
     pub h2o_chunks: u32,
     pub h2o_sparse_chunks: u32,
+    pub h2o_dense_tail_tokens: u32,
     pub h2o_memory_size: u32,
     pub h2o_policy: String,
 }

@@ -154,6 +154,8 @@ fn run(
         n_ubatch: config.n_ubatch,
         n_threads: config.n_threads,
         flash_attn: config.flash_attn,
+        cache_type_k: config.cache_type_k,
+        cache_type_v: config.cache_type_v,
         h2o: config.h2o,
         // a slot's next request cuts its sequence back to a chunk boundary inside the prompt
         h2o_undo_log: config.h2o.is_some_and(|h| h.is_enabled()),
@@ -211,6 +213,9 @@ struct Active {
     prefill_start: Instant,
     first_token: Option<Instant>,
     prefill_us: u64,
+    /// llama.cpp's sparse-chunk and dense-tail counts of the slot when its prompt started (the
+    /// reused prefix's), so that the job reports what its own prompt ran.
+    h2o_counts_before: (u32, u32),
 }
 
 struct Engine<'m> {
@@ -359,6 +364,10 @@ impl<'m> Engine<'m> {
                 prompt_tokens: prompt.len(),
             });
             self.metrics.slots_busy.fetch_add(1, Ordering::SeqCst);
+            let h2o_counts_before = self
+                .session
+                .h2o_state(slot as u32)
+                .map_or((0, 0), |st| (st.sparse_chunks, st.tail_tokens));
             self.slots[slot] = Some(Active {
                 tx,
                 job: pending.job,
@@ -373,6 +382,7 @@ impl<'m> Engine<'m> {
                 prefill_start: Instant::now(),
                 first_token: None,
                 prefill_us: 0,
+                h2o_counts_before,
             });
         }
     }
@@ -644,23 +654,27 @@ impl<'m> Engine<'m> {
         let predicted_ms = now.duration_since(first).as_secs_f64() * 1e3;
         let per = |n: usize, ms: f64| if n == 0 { 0.0 } else { ms / n as f64 };
         let rate = |n: usize, ms: f64| if ms <= 0.0 { 0.0 } else { n as f64 * 1e3 / ms };
-        let (h2o_chunks, h2o_sparse_chunks, h2o_memory_size, h2o_policy) =
-            match self.session.h2o(slot as u32) {
-                Some(h) => {
+        let (h2o_chunks, h2o_sparse_chunks, h2o_dense_tail_tokens, h2o_memory_size, h2o_policy) =
+            match (
+                self.session.h2o(slot as u32),
+                self.session.h2o_state(slot as u32),
+            ) {
+                (Some(h), Some(st)) => {
                     let s = self.session.config().n_ubatch as usize;
                     let first_chunk = a.kept / s;
                     let last_chunk = (a.prompt.len() - 1) / s;
                     let chunks = (last_chunk + 1 - first_chunk) as u32;
-                    // every chunk after the first attends to a memory set, not to all before it
-                    let sparse = (first_chunk.max(1)..=last_chunk).count() as u32;
+                    // what llama.cpp counted while this job's prompt ran
+                    let (sparse0, tail0) = a.h2o_counts_before;
                     (
                         chunks,
-                        sparse,
+                        st.sparse_chunks.saturating_sub(sparse0),
+                        st.tail_tokens.saturating_sub(tail0),
                         (h.local + h.heavy),
                         h.select.name().to_string(),
                     )
                 }
-                None => (0, 0, 0, "full".to_string()),
+                _ => (0, 0, 0, 0, "full".to_string()),
             };
         JobTimings {
             prompt_n,
@@ -675,6 +689,7 @@ impl<'m> Engine<'m> {
             ttft_ms: first.duration_since(a.arrived).as_secs_f64() * 1e3,
             h2o_chunks,
             h2o_sparse_chunks,
+            h2o_dense_tail_tokens,
             h2o_memory_size,
             h2o_policy,
         }
