@@ -1,6 +1,10 @@
 //! Shared helpers of the integration tests: the default model and Gemma 3 270M (the model with
-//! sliding-window layers), each fetched once per machine.
+//! sliding-window layers), each fetched once per machine; tiny random-weight GGUFs of other
+//! architectures written by the tests themselves (`gguf`, `tiny_models`).
 #![allow(dead_code)]
+
+pub mod gguf;
+pub mod tiny_models;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
