@@ -222,6 +222,92 @@ pub fn throughput(
     drawing(root.present(), path)
 }
 
+/// One configuration of a quality/speed chart: its prefill speed-up over full attention and
+/// its Δ perplexity against full attention.
+#[derive(Clone, Debug)]
+pub struct TradeoffPoint {
+    pub label: String,
+    pub speedup: f64,
+    pub delta_ppl_percent: f64,
+}
+
+/// Δ ppl against prefill speed-up, one labelled point per configuration, coloured by policy
+/// (the label's first word): what each way of choosing the memory buys and costs.
+pub fn tradeoff(path: &Path, title: &str, points: &[TradeoffPoint]) -> Result<()> {
+    register_font()?;
+    let root = BitMapBackend::new(path, (960, 640)).into_drawing_area();
+    drawing(root.fill(&WHITE), path)?;
+    let x_hi = points.iter().map(|p| p.speedup).fold(1.0, f64::max) * 1.1;
+    let x_lo = points
+        .iter()
+        .map(|p| p.speedup)
+        .fold(1.0, f64::min)
+        .min(1.0)
+        * 0.9;
+    let y_hi = points
+        .iter()
+        .map(|p| p.delta_ppl_percent)
+        .fold(0.0, f64::max)
+        * 1.15
+        + 0.1;
+    let y_lo = points
+        .iter()
+        .map(|p| p.delta_ppl_percent)
+        .fold(0.0, f64::min)
+        .min(0.0);
+    let mut chart = drawing(
+        ChartBuilder::on(&root)
+            .caption(title, (FONT, 17))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(80)
+            .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi),
+        path,
+    )?;
+    drawing(
+        chart
+            .configure_mesh()
+            .x_desc("prefill speed-up over full attention (×)")
+            .y_desc("Δ perplexity against full attention, whole window (%)")
+            .x_label_formatter(&|x| format!("{x:.2}×"))
+            .y_label_formatter(&|y| format!("{y:+.1} %"))
+            .label_style((FONT, 15))
+            .axis_desc_style((FONT, 16))
+            .draw(),
+        path,
+    )?;
+    let color = |label: &str| match label.split(['/', ' ']).next().unwrap_or("") {
+        "coverage" => RGBColor(200, 60, 20),
+        "hybrid" => RGBColor(30, 110, 200),
+        "h2o" => RGBColor(90, 90, 90),
+        _ => RGBColor(40, 150, 70),
+    };
+    drawing(
+        chart.draw_series(points.iter().map(|p| {
+            Circle::new(
+                (p.speedup, p.delta_ppl_percent),
+                6,
+                color(&p.label).filled(),
+            )
+        })),
+        path,
+    )?;
+    drawing(
+        chart.draw_series(points.iter().map(|p| {
+            Text::new(
+                p.label.clone(),
+                (p.speedup, p.delta_ppl_percent),
+                (FONT, 14)
+                    .into_font()
+                    .color(&color(&p.label))
+                    .pos(Pos::new(HPos::Left, VPos::Bottom)),
+            )
+        })),
+        path,
+    )?;
+    drawing(root.present(), path)
+}
+
 /// How often each position was a heavy hitter: one row per (layer, head), one column per bin of
 /// positions; `counts[row][bin]` is the number of chunks whose memory set held a heavy hitter
 /// in that bin, out of `n_sets` sets per row.

@@ -12,7 +12,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use h2o_llama::scoring::perplexity::{self, FarContext, ShapeScores, WindowOptions, FAR_TAIL};
+use h2o_llama::scoring::perplexity::{
+    self, FarContext, PrefillTimes, ShapeScores, WindowOptions, FAR_TAIL,
+};
 use h2o_llama::scoring::Summary;
 use h2o_llama::{CacheType, H2oConfig, SessionConfig};
 
@@ -74,6 +76,14 @@ pub struct PerplexityArgs {
     /// and given only 512 or 0 of them (full attention, a window cut short). Needs -c >= 2048.
     #[arg(long)]
     far_context: bool,
+    /// Also time a plain prefill of the first window under full attention and every H2O shape,
+    /// N times each, alternating (medians), and report each shape's speed-up
+    #[arg(long, value_name = "N")]
+    speed: Option<usize>,
+    /// With --speed: draw Δ ppl (whole window) against the prefill speed-up of every shape into
+    /// this PNG file
+    #[arg(long, value_name = "FILE", requires = "speed")]
+    png: Option<PathBuf>,
 }
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
@@ -135,6 +145,8 @@ struct Report {
     shapes: Vec<ShapeScores>,
     /// with --far-context
     far_context: Option<FarContext>,
+    /// with --speed
+    prefill: Option<PrefillTimes>,
 }
 
 pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
@@ -169,9 +181,16 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     let text = crate::read_text_file(&args.file, "text file")?;
     let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
     let tokens = model.tokenize(&text, true, false)?;
+    if args.speed == Some(0) {
+        anyhow::bail!("--speed 0: give the number of timed prefills per configuration, 1 or more");
+    }
+    if let Some(png) = &args.png {
+        h2o_llama::chart::check_writable(png).context("--png")?;
+    }
     let options = WindowOptions {
         max_windows: args.chunks,
         far_context: args.far_context,
+        speed_reps: args.speed.unwrap_or(0),
     };
     let show_progress = !args.json && std::io::stderr().is_terminal();
     let scored = perplexity::perplexity(
@@ -211,6 +230,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             scored.shapes.clone()
         },
         far_context: scored.far_context,
+        prefill: scored.prefill,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -219,8 +239,69 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         if let Some(far) = &report.far_context {
             print!("{}", far_table(far));
         }
+        if let Some(prefill) = &report.prefill {
+            print!("{}", speed_table(&scored.shapes, prefill));
+        }
+    }
+    if let (Some(png), Some(prefill)) = (&args.png, &report.prefill) {
+        draw_tradeoff(png, &report, &scored.shapes, prefill)?;
+        if !args.json {
+            eprintln!("h2o-cli perplexity: chart written to {}", png.display());
+        }
     }
     Ok(())
+}
+
+fn speed_table(shapes: &[ShapeScores], t: &PrefillTimes) -> String {
+    let mut s = format!(
+        "\nprefill of the first window ({} tokens), median of {}: full attention {:.2} s\n\n\
+         | configuration | prefill s | speed-up | Δ ppl, whole window |\n|---|---:|---:|---:|\n",
+        t.tokens, t.reps, t.full_attention_seconds
+    );
+    for (shape, &secs) in shapes.iter().zip(&t.shape_seconds) {
+        s.push_str(&format!(
+            "| {} L {} H {} sink {} tail {} | {:.2} | {:.2}× | {:+.2} % |\n",
+            shape.h2o.policy_label(),
+            shape.h2o.local,
+            shape.h2o.heavy,
+            shape.h2o.sink,
+            shape.h2o.dense_tail,
+            secs,
+            t.full_attention_seconds / secs,
+            shape.whole.delta_ppl_percent
+        ));
+    }
+    s
+}
+
+fn draw_tradeoff(
+    png: &std::path::Path,
+    r: &Report,
+    shapes: &[ShapeScores],
+    t: &PrefillTimes,
+) -> Result<()> {
+    let points: Vec<h2o_llama::chart::TradeoffPoint> = shapes
+        .iter()
+        .zip(&t.shape_seconds)
+        .map(|(shape, &secs)| h2o_llama::chart::TradeoffPoint {
+            label: format!(
+                "{} {}:{}",
+                shape.h2o.policy_label(),
+                shape.h2o.local,
+                shape.h2o.heavy
+            ),
+            speedup: t.full_attention_seconds / secs,
+            delta_ppl_percent: shape.whole.delta_ppl_percent,
+        })
+        .collect();
+    let text = std::path::Path::new(&r.file)
+        .file_name()
+        .map_or_else(|| r.file.clone(), |n| n.to_string_lossy().into_owned());
+    let title = format!(
+        "{text}, {} tokens, -ub {}: perplexity against prefill speed (full attention = 1×)",
+        t.tokens, r.n_ubatch
+    );
+    Ok(h2o_llama::chart::tradeoff(png, &title, &points)?)
 }
 
 fn table(r: &Report) -> String {

@@ -741,6 +741,26 @@ fn perplexity_scores_h2o_against_full_attention() {
         "{}",
         stderr(&o)
     );
+
+    // the speed of each configuration on the first window, and the chart of Δ ppl against it;
+    // the seventh ablation field is coverage selection's target
+    let png = dir.join("tradeoff.png");
+    let o = perplexity(&[
+        "--ablate",
+        "32:32:coverage:4:64:4:0.9",
+        "--speed",
+        "1",
+        "--png",
+        png.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(t["shapes"][1]["h2o"]["coverage"].as_f64(), Some(0.9));
+    let prefill = &t["prefill"];
+    assert_eq!(prefill["tokens"], 512);
+    assert!(prefill["full_attention_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(prefill["shape_seconds"].as_array().unwrap().len(), 2);
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

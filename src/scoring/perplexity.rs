@@ -27,6 +27,19 @@ pub struct WindowOptions {
     /// [`FAR_TAIL`] tokens of each window given all earlier tokens (full attention and every
     /// shape), and given only [`FAR_CUT`] of them (full attention, a window cut short).
     pub far_context: bool,
+    /// Also time a plain prefill of the first window (no logits but the last) under full
+    /// attention and every shape, this many times each, alternating (0: no timing).
+    pub speed_reps: usize,
+}
+
+/// Prefill times of the first window (see [`WindowOptions::speed_reps`]): medians of the runs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PrefillTimes {
+    pub reps: usize,
+    pub tokens: usize,
+    pub full_attention_seconds: f64,
+    /// One per shape, in the order given.
+    pub shape_seconds: Vec<f64>,
 }
 
 /// One H2O shape's scores against full attention.
@@ -74,6 +87,8 @@ pub struct Perplexity {
     pub shapes: Vec<ShapeScores>,
     /// With [`WindowOptions::far_context`].
     pub far_context: Option<FarContext>,
+    /// With [`WindowOptions::speed_reps`] > 0.
+    pub prefill: Option<PrefillTimes>,
 }
 
 /// Per shape (or one, full attention against itself), the running scores.
@@ -168,6 +183,21 @@ pub fn perplexity(
     let far_context = options
         .far_context
         .then(|| far_report(shapes, &tally.far, &tally.far_cut));
+    let prefill = if options.speed_reps > 0 {
+        let mut window: Vec<Token> = tokens[..n_ctx].to_vec();
+        if let Some(bos) = model.bos_token() {
+            window[0] = bos;
+        }
+        progress("timing the prefill of the first window");
+        Some(time_prefill(
+            &window,
+            options.speed_reps,
+            &mut full,
+            &mut sparse,
+        )?)
+    } else {
+        None
+    };
     let scored: Vec<ShapeScores> = tally
         .whole
         .iter()
@@ -183,6 +213,44 @@ pub fn perplexity(
         windows,
         shapes: scored,
         far_context,
+        prefill,
+    })
+}
+
+/// `reps` plain prefills of `window` with every session, alternating full attention and the
+/// shapes, each from an empty cache; the median time of each.
+fn time_prefill(
+    window: &[Token],
+    reps: usize,
+    full: &mut Session<'_>,
+    sparse: &mut [Session<'_>],
+) -> Result<PrefillTimes> {
+    let once = |s: &mut Session<'_>| -> Result<f64> {
+        s.reset();
+        let start = std::time::Instant::now();
+        s.evaluate(window)?;
+        let secs = start.elapsed().as_secs_f64();
+        s.reset();
+        Ok(secs)
+    };
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); 1 + sparse.len()];
+    for _ in 0..reps {
+        times[0].push(once(full)?);
+        for (k, s) in sparse.iter_mut().enumerate() {
+            times[k + 1].push(once(s)?);
+        }
+    }
+    let median = |t: &mut Vec<f64>| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let mut medians: Vec<f64> = times.iter_mut().map(median).collect();
+    let full_attention_seconds = medians.remove(0);
+    Ok(PrefillTimes {
+        reps,
+        tokens: window.len(),
+        full_attention_seconds,
+        shape_seconds: medians,
     })
 }
 
