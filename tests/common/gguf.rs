@@ -437,13 +437,13 @@ pub fn f32_to_f16(x: f32) -> u16 {
     sign | (half + round) as u16
 }
 
-/// A small deterministic generator (splitmix64) with normal samples (Box–Muller), so that a
-/// model written twice is the same file.
-pub struct Rng(u64);
+/// A small deterministic generator (the library's splitmix64, `h2o_llama::eval::Rng`) with
+/// normal samples (Box–Muller), so that a model written twice is the same file.
+pub struct Rng(h2o_llama::eval::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng(h2o_llama::eval::Rng::new(seed))
     }
 
     /// A generator for one tensor: the seed mixed with the tensor's name, so that values do not
@@ -453,15 +453,11 @@ impl Rng {
         let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
         });
-        Rng(seed ^ h)
+        Rng::new(seed ^ h)
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in (0, 1].
