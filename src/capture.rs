@@ -222,8 +222,8 @@ unsafe fn read_rows_f32(t: &sys::ggml_tensor, ne0: usize, n1: usize, n2: usize) 
 }
 
 /// # Safety
-/// As [`read_rows_f32`], for a tensor of any type ggml converts to F32 (F16, BF16 widened
-/// exactly; quantized types dequantized), whose rows are whole blocks.
+/// As [`read_rows_f32`], for a tensor of F32 or of any type ggml converts to F32 (F16, BF16
+/// widened exactly; quantized types dequantized), whose rows are whole blocks.
 #[cfg(not(feature = "stock"))]
 unsafe fn read_rows(
     t: &sys::ggml_tensor,
@@ -231,9 +231,20 @@ unsafe fn read_rows(
     n1: usize,
     n2: usize,
 ) -> Result<Vec<f32>, String> {
+    if t.type_ == sys::GGML_TYPE_F32 {
+        // SAFETY: the caller's promise, for an F32 tensor (ggml has no conversion for it)
+        return Ok(unsafe { read_rows_f32(t, ne0, n1, n2) });
+    }
     // SAFETY: ggml's type traits are static tables, valid for every type.
-    let to_float = unsafe { (*sys::ggml_get_type_traits(t.type_)).to_float }
-        .ok_or_else(|| format!("ggml cannot convert a tensor of type {} to F32", t.type_))?;
+    let traits = unsafe { &*sys::ggml_get_type_traits(t.type_) };
+    let to_float = traits.to_float.ok_or_else(|| {
+        // SAFETY: type_name is a static C string of the traits table.
+        let name = unsafe { std::ffi::CStr::from_ptr(traits.type_name) };
+        format!(
+            "ggml cannot convert a tensor of type {} to F32",
+            name.to_string_lossy()
+        )
+    })?;
     // SAFETY: a pure function of a valid type and a count.
     let row_bytes = unsafe { sys::ggml_row_size(t.type_, ne0 as i64) };
     let mut raw = vec![0u8; row_bytes];
