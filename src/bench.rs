@@ -144,6 +144,9 @@ pub struct Report {
     pub threads: u32,
     pub n_gpu_layers: i32,
     pub n_ubatch: u32,
+    /// `-ctk` / `-ctv` of both engines (llama.cpp's names)
+    pub cache_type_k: &'static str,
+    pub cache_type_v: &'static str,
     pub h2o_local: u32,
     pub h2o_heavy: u32,
     pub h2o: H2oConfig,
@@ -155,13 +158,15 @@ impl Report {
     /// The table `h2o-cli bench` prints: tok/s as median (min–max), peaks, state sizes.
     pub fn markdown(&self) -> String {
         let mut s = format!(
-            "model: {} | baseline: {} | -t {} -ngl {} -ub {} | H2O L = {} H = {} | {} \
-             repetitions, tok/s as median (min–max)\n\n",
+            "model: {} | baseline: {} | -t {} -ngl {} -ub {} -ctk {} -ctv {} | H2O L = {} H = {} \
+             | {} repetitions, tok/s as median (min–max)\n\n",
             self.model,
             self.baseline,
             self.threads,
             self.n_gpu_layers,
             self.n_ubatch,
+            self.cache_type_k,
+            self.cache_type_v,
             self.h2o_local,
             self.h2o_heavy,
             self.repetitions

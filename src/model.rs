@@ -177,23 +177,53 @@ impl Model {
         unsafe { sys::llama_model_n_embd(self.ptr.as_ptr()) }.max(0) as u32
     }
 
-    /// Bytes of an F16 K+V cache of `n_ctx` cells (llama.cpp's default cache type), assuming
-    /// the usual head width `n_embd / n_head`.
+    /// Bytes of a K+V cache of `n_ctx` cells in every layer with K and V of the given types
+    /// (block-quantized types by their bytes per block), with the model's key and value head
+    /// widths (`{arch}.attention.key_length` / `value_length` where the GGUF sets them, as
+    /// Gemma 2 and gpt-oss do, else `n_embd / n_head`). Layers of a sliding window hold fewer
+    /// cells in llama.cpp, so for such models this is an upper bound.
     #[must_use]
-    pub fn kv_cache_bytes(&self, n_ctx: u32) -> u64 {
-        self.kv_cache_bytes_of(n_ctx, CacheType::F16, CacheType::F16)
+    pub fn kv_cache_bytes(&self, n_ctx: u32, k: CacheType, v: CacheType) -> u64 {
+        let usual = u64::from(self.n_embd()) / u64::from(self.n_head().max(1));
+        let arch = self.meta("general.architecture").unwrap_or_default();
+        let width = |what: &str| {
+            self.meta(&format!("{arch}.attention.{what}_length"))
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(usual)
+        };
+        let n_head_kv = u64::from(self.n_head_kv());
+        let row = |t: CacheType, width: u64| {
+            let n = i64::try_from(n_head_kv * width).unwrap_or(i64::MAX);
+            // SAFETY: a pure function of a valid type and a count.
+            unsafe { sys::ggml_row_size(t.to_sys(), n) as u64 }
+        };
+        (row(k, width("key")) + row(v, width("value")))
+            * u64::from(self.n_layer())
+            * u64::from(n_ctx)
     }
 
-    /// Bytes of a K+V cache of `n_ctx` cells with K and V of the given types (block-quantized
-    /// types by their bytes per block), assuming the usual head width `n_embd / n_head`.
+    /// The value of a GGUF metadata key as text, where the model has it.
     #[must_use]
-    pub fn kv_cache_bytes_of(&self, n_ctx: u32, k: CacheType, v: CacheType) -> u64 {
-        let head_dim = i64::from(self.n_embd()) / i64::from(self.n_head().max(1));
-        let row = i64::from(self.n_head_kv()) * head_dim;
-        // SAFETY: pure functions of a valid type and a count.
-        let bytes =
-            unsafe { sys::ggml_row_size(k.to_sys(), row) + sys::ggml_row_size(v.to_sys(), row) };
-        bytes as u64 * u64::from(self.n_layer()) * u64::from(n_ctx)
+    pub fn meta(&self, key: &str) -> Option<String> {
+        let key = CString::new(key).ok()?;
+        let mut buf = vec![0u8; 256];
+        loop {
+            // SAFETY: valid model, NUL-terminated key, a buffer of buf.len() bytes.
+            let n = unsafe {
+                sys::llama_model_meta_val_str(
+                    self.ptr.as_ptr(),
+                    key.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            };
+            let n = usize::try_from(n).ok()?; // -1: no such key
+            if n < buf.len() {
+                buf.truncate(n);
+                return String::from_utf8(buf).ok();
+            }
+            buf.resize(n + 1, 0); // snprintf's length without the NUL: room for all of it
+        }
     }
 
     /// Context length the model was trained with.

@@ -412,12 +412,18 @@ fn seed_rule_with_sinks_matches_the_reference_in_every_layer() {
     seed_rule_matches_the_reference(common::model(), 4, true, CacheType::F16);
 }
 
-/// Quantized and BF16 KV caches (`-ctk`/`-ctv`): the op reads each K and V row as the cache's
-/// type converts to F32, and the capture reads them the same way, so the reference recomputes
-/// the prefill from exactly the values the kernel used, with the same tolerance as F16.
+/// Quantized, BF16 and F32 KV caches (`-ctk`/`-ctv`): the op reads each K and V row as the
+/// cache's type converts to F32 (F32 as it is: ggml has no conversion for it), and the capture
+/// reads them the same way, so the reference recomputes the prefill from exactly the values the
+/// kernel used, with the same tolerance as F16.
 #[test]
-fn quantized_and_bf16_caches_match_the_reference_in_every_layer() {
-    for cache in [CacheType::Q8_0, CacheType::Q4_0, CacheType::Bf16] {
+fn quantized_bf16_and_f32_caches_match_the_reference_in_every_layer() {
+    for cache in [
+        CacheType::Q8_0,
+        CacheType::Q4_0,
+        CacheType::Bf16,
+        CacheType::F32,
+    ] {
         eprintln!("-ctk {cache} -ctv {cache}:");
         seed_rule_matches_the_reference(common::model(), 4, true, cache);
     }
@@ -505,7 +511,8 @@ fn seed_rule_matches_the_reference(
 #[test]
 fn every_architecture_that_runs_matches_the_reference() {
     use common::tiny_models::{self, TinyModel};
-    let models: [(&str, fn() -> TinyModel); 13] = [
+    type Build = fn() -> TinyModel;
+    let models: [(&str, Build); 13] = [
         ("llama_gqa", tiny_models::llama_gqa),
         ("llama_mha", tiny_models::llama_mha),
         ("qwen2", tiny_models::qwen2),
@@ -536,9 +543,27 @@ fn every_architecture_that_runs_matches_the_reference() {
         if name == "gemma2" || name == "gpt_oss" {
             the_logit_arithmetic_matters(&m, name);
         }
+        the_cache_size_follows_the_head_widths(&m, name);
         drop(m);
         std::fs::remove_file(&path).unwrap();
     }
+}
+
+/// The K+V cache size the front ends report (`Model::kv_cache_bytes`) is computed with the head
+/// widths the attention ran with, which GGUF's key_length / value_length set where they are not
+/// n_embd / n_head.
+fn the_cache_size_follows_the_head_widths(m: &Model, name: &str) {
+    let r = run(m, &prompt(m), &[N], 4, CacheType::F16);
+    let c = r.captures.iter().find(|c| c.layer == r.layers[0]).unwrap();
+    let row = u64::from(c.n_head_kv) * u64::from(c.head_dim + c.head_dim_v) * 2; // F16
+    let n_ctx = 4096;
+    assert_eq!(
+        m.kv_cache_bytes(n_ctx, CacheType::F16, CacheType::F16),
+        row * u64::from(m.n_layer()) * u64::from(n_ctx),
+        "{name}: K+V cache bytes for heads of {} / {}",
+        c.head_dim,
+        c.head_dim_v
+    );
 }
 
 /// The soft-cap or the sinks the op ran with are the model's and change its output: a reference

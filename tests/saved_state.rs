@@ -299,6 +299,32 @@ fn the_prompt_cache_is_used_only_for_a_prompt_it_begins() {
     );
     assert_eq!(s.n_past(), 0);
 
+    // a cache that runs past where a shorter prompt's dense tail starts: the first 400 tokens
+    // of A + B (one call, tail from 336) save 256 tokens; a fresh run of the first 300 attends
+    // densely from 236, where the state scored a sparse chunk: not loaded, and the run and its
+    // new cache (128 tokens) are a fresh run's
+    let p400 = dir.join("400.cache");
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    assert_eq!(
+        s.evaluate_saving_prompt_cache(&ab[..400], &p400, |_, _| {})
+            .unwrap(),
+        Some(256)
+    );
+    let mut s = Session::new(m, config(h2o)).unwrap();
+    assert_eq!(
+        s.load_prompt_cache(&p400, &ab[..300]).unwrap(),
+        PromptCache::EndsInTail { cached: 256 }
+    );
+    assert_eq!(s.n_past(), 0);
+    assert_eq!(
+        s.evaluate_saving_prompt_cache(&ab[..300], &p400, |_, _| {})
+            .unwrap(),
+        Some(128)
+    );
+    let mut fresh = Session::new(m, config(h2o)).unwrap();
+    fresh.evaluate(&ab[..300]).unwrap();
+    assert_eq!(s.logits().unwrap(), fresh.logits().unwrap());
+
     // the cache of A holds its first 128 tokens
     let a = a[..128].to_vec();
 

@@ -4,7 +4,7 @@
 mod common;
 
 use h2o_llama::{
-    Error, H2oConfig, Model, ModelParams, Sampler, SamplerConfig, Session, SessionConfig,
+    CacheType, Error, H2oConfig, Model, ModelParams, Sampler, SamplerConfig, Session, SessionConfig,
 };
 
 fn small_config() -> SessionConfig {
@@ -36,6 +36,18 @@ fn default_model_loads_with_expected_shape() {
     assert_eq!(m.n_vocab(), 49152);
     assert_eq!(m.n_ctx_train(), 8192);
     assert!(m.description().contains("Q4_1"), "{}", m.description());
+    assert_eq!(m.meta("general.architecture").as_deref(), Some("llama"));
+    assert_eq!(m.meta("llama.no_such_key"), None);
+    // llama.cpp's own log for -c 4096: "K (f16): 45.00 MiB, V (f16): 45.00 MiB"; a q8_0 row of
+    // 3 KV heads × 64 is 6 blocks of 34 bytes
+    assert_eq!(
+        m.kv_cache_bytes(4096, CacheType::F16, CacheType::F16),
+        90 * 1024 * 1024
+    );
+    assert_eq!(
+        m.kv_cache_bytes(4096, CacheType::Q8_0, CacheType::Q8_0),
+        2 * 30 * 4096 * 6 * 34
+    );
 }
 
 #[test]

@@ -146,6 +146,8 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         threads: args.threads,
         n_gpu_layers: args.n_gpu_layers,
         n_ubatch: args.shape.ubatch_size,
+        cache_type_k: args.cache_type_k.name(),
+        cache_type_v: args.cache_type_v.name(),
         h2o_local: args.shape.h2o_local,
         h2o_heavy: args.shape.h2o_heavy,
         h2o: args.shape.config(),

@@ -490,18 +490,19 @@ fn prefill_and_generate(
     match &cli.prompt_cache {
         // saved on the way, where a longer prompt can reuse it exactly
         Some(path) => {
+            let held = session.n_past();
             let saved = session.evaluate_saving_prompt_cache(rest, path, progress)?;
             if !cli.json {
-                match saved {
-                    Some(n) => eprintln!(
-                        "h2o-cli: prompt cache {}: saved the first {n} tokens",
-                        path.display()
-                    ),
-                    None => eprintln!(
-                        "h2o-cli: prompt cache {}: kept as it was (it holds what a longer prompt can reuse)",
-                        path.display()
-                    ),
-                }
+                let what = match saved {
+                    Some(n) => format!("saved the first {n} tokens"),
+                    None if held > 0 => {
+                        "kept as it was (it holds what a longer prompt can reuse)".to_string()
+                    }
+                    None => "nothing saved: with H2O this prompt has no whole chunk before its \
+                             dense tail, and no state inside it continues as a fresh run does"
+                        .to_string(),
+                };
+                eprintln!("h2o-cli: prompt cache {}: {what}", path.display());
             }
         }
         None => session.evaluate_with_progress(rest, progress)?,
@@ -534,13 +535,8 @@ fn report(
     let chunks = t.prompt_tokens.div_ceil(config.n_ubatch as usize);
     let h2o_state = session.h2o_state();
     // what llama.cpp counted during this prompt (a loaded prompt cache brings its own counts)
-    let (sparse_chunks, dense_tail_tokens) = match (h2o_state, before) {
-        (Some(after), Some(before)) => (
-            after.sparse_chunks - before.sparse_chunks,
-            after.tail_tokens - before.tail_tokens,
-        ),
-        _ => (0, 0),
-    };
+    let (sparse_chunks, dense_tail_tokens) =
+        h2o_state.map_or((0, 0), |after| after.counts_since(before.as_ref()));
     let mut stdout = std::io::stdout().lock();
     if cli.json {
         let record = Record {
@@ -561,7 +557,7 @@ fn report(
             decode_tokens_per_second: t.decode_tokens_per_second(),
             stopped_at_eog: generation.stopped_at_eog,
             peak_rss_bytes: peak_rss_bytes(),
-            kv_cache_bytes: model.kv_cache_bytes_of(
+            kv_cache_bytes: model.kv_cache_bytes(
                 session.n_ctx(),
                 config.cache_type_k,
                 config.cache_type_v,
@@ -627,7 +623,15 @@ fn use_prompt_cache(
             0,
             format!(
                 "its {cached} tokens do not begin this prompt (the first {common} agree): \
-                 evaluating the whole prompt, then replacing the cache"
+                 evaluating the whole prompt"
+            ),
+        ),
+        PromptCache::EndsInTail { cached } => (
+            0,
+            format!(
+                "its {cached} tokens begin this prompt, but with H2O a fresh run of this prompt \
+                 attends to the last of them in its dense tail, which the cache ran sparse: \
+                 evaluating the whole prompt"
             ),
         ),
         PromptCache::NotFresh { cached } => (
@@ -635,7 +639,7 @@ fn use_prompt_cache(
             format!(
                 "its {cached} tokens begin this prompt, but its H2O state ran a dense tail or \
                  left a chunk open, so continuing it would differ from a fresh run: evaluating \
-                 the whole prompt, then replacing the cache"
+                 the whole prompt"
             ),
         ),
     };

@@ -178,15 +178,15 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         }
         .validate()?;
     }
-    let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
-    let tokens = model.tokenize(&text, true, false)?;
     if args.speed == Some(0) {
         anyhow::bail!("--speed 0: give the number of timed prefills per configuration, 1 or more");
     }
     if let Some(png) = &args.png {
         h2o_llama::chart::check_writable(png).context("--png")?;
     }
+    let text = crate::read_text_file(&args.file, "text file")?;
+    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let tokens = model.tokenize(&text, true, false)?;
     let options = WindowOptions {
         max_windows: args.chunks,
         far_context: args.far_context,

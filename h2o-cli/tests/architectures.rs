@@ -62,8 +62,7 @@ matrix! {
     qwen2 => Runs,
     qwen3 => Runs,
     phi3 => Runs,
-    /// Target. Until the H2O op soft-caps its logits, llama.cpp refuses the context: "gemma2
-    /// soft-caps its attention logits".
+    /// Attention logit soft-capping, in the op since patch 0020.
     gemma2 => Runs,
     /// H2O on the global layer (5); the window layers keep llama.cpp's windowed cache.
     gemma3 => Runs,
@@ -71,8 +70,8 @@ matrix! {
     granite => Runs,
     olmo2 => Runs,
     olmo2_swa => Runs,
-    /// Target. Until the H2O op takes learned sinks, llama.cpp aborts in `build_attn`
-    /// (`GGML_ASSERT(... sinks == nullptr ...)`): SIGABRT.
+    /// Learned attention sinks, in the op since patch 0020 (before, llama.cpp aborted in
+    /// `build_attn` with SIGABRT).
     gpt_oss => Runs,
     /// The MLA cache holds one compressed latent per token (a single "KV head" of kv_lora_rank +
     /// rope dims, V a view of it), not the plain per-head K/V that the H2O op reads: refused in

@@ -240,11 +240,7 @@ fn time_prefill(
             times[k + 1].push(once(s)?);
         }
     }
-    let median = |t: &mut Vec<f64>| {
-        t.sort_by(f64::total_cmp);
-        t[t.len() / 2]
-    };
-    let mut medians: Vec<f64> = times.iter_mut().map(median).collect();
+    let mut medians: Vec<f64> = times.iter().map(|t| crate::bench::median(t)).collect();
     let full_attention_seconds = medians.remove(0);
     Ok(PrefillTimes {
         reps,

@@ -40,6 +40,20 @@ pub struct H2oState {
     pub size_bytes: u64,
 }
 
+impl H2oState {
+    /// What llama.cpp counted between `before`, an earlier state of the same sequence, and this
+    /// one: (sparse chunks, dense-tail tokens). All of this state's counts where there was no
+    /// earlier state; none where the sequence was emptied in between.
+    #[must_use]
+    pub fn counts_since(&self, before: Option<&H2oState>) -> (u32, u32) {
+        let (sparse, tail) = before.map_or((0, 0), |b| (b.sparse_chunks, b.tail_tokens));
+        (
+            self.sparse_chunks.saturating_sub(sparse),
+            self.tail_tokens.saturating_sub(tail),
+        )
+    }
+}
+
 impl Session<'_> {
     /// The H2O state, or `None` when the session runs full attention.
     #[must_use]

@@ -108,7 +108,9 @@ impl Session<'_> {
         let first = boundary - n_past;
         let total = rest.len();
         if first < total {
-            self.evaluate_in_calls(&rest[..first], true, false, &mut progress)?;
+            self.evaluate_in_calls(&rest[..first], true, false, |done, _| {
+                progress(done, total);
+            })?;
             self.save_state(path)?;
             self.evaluate_in_calls(&rest[first..], true, true, |done, _| {
                 progress(first + done, total);

@@ -35,6 +35,10 @@ pub enum PromptCache {
     /// prompt or after generating), so continuing it would differ from a fresh run of the
     /// prompt: nothing was loaded.
     NotFresh { cached: usize },
+    /// The file's tokens begin the prompt, but under H2O the prompt is short enough that a fresh
+    /// run of it attends densely (its dense tail) to the last of them, which the state scored
+    /// as a sparse chunk: nothing was loaded.
+    EndsInTail { cached: usize },
 }
 
 /// The header of a session state: the tokens it holds, and where its llama.cpp state begins.
@@ -374,6 +378,14 @@ impl Session<'_> {
         }
         // nothing in its history differs from a fresh prefill's
         self.fresh_until = u32::MAX;
+        // but a fresh run of this prompt attends densely from where its dense tail starts: a
+        // state that scored positions past that continues differently, and llama.cpp cannot cut
+        // a loaded state back below where it was saved
+        let n = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        if (self.reusable(n, cached as u32) as usize) < cached {
+            self.reset();
+            return Ok(PromptCache::EndsInTail { cached });
+        }
         Ok(PromptCache::Reused { tokens: cached })
     }
 }

@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use h2o_llama::{
-    H2oConfig, Model, ModelParams, ParallelSession, Sampler, SamplerConfig, SessionConfig, Token,
+    H2oConfig, H2oState, Model, ModelParams, ParallelSession, Sampler, SamplerConfig,
+    SessionConfig, Token,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -213,9 +214,9 @@ struct Active {
     prefill_start: Instant,
     first_token: Option<Instant>,
     prefill_us: u64,
-    /// llama.cpp's sparse-chunk and dense-tail counts of the slot when its prompt started (the
-    /// reused prefix's), so that the job reports what its own prompt ran.
-    h2o_counts_before: (u32, u32),
+    /// The slot's H2O state when its prompt started (with the reused prefix's counts), so that
+    /// the job reports what llama.cpp counted while its own prompt ran.
+    h2o_before: Option<H2oState>,
 }
 
 struct Engine<'m> {
@@ -364,10 +365,7 @@ impl<'m> Engine<'m> {
                 prompt_tokens: prompt.len(),
             });
             self.metrics.slots_busy.fetch_add(1, Ordering::SeqCst);
-            let h2o_counts_before = self
-                .session
-                .h2o_state(slot as u32)
-                .map_or((0, 0), |st| (st.sparse_chunks, st.tail_tokens));
+            let h2o_before = self.session.h2o_state(slot as u32);
             self.slots[slot] = Some(Active {
                 tx,
                 job: pending.job,
@@ -382,7 +380,7 @@ impl<'m> Engine<'m> {
                 prefill_start: Instant::now(),
                 first_token: None,
                 prefill_us: 0,
-                h2o_counts_before,
+                h2o_before,
             });
         }
     }
@@ -665,11 +663,11 @@ impl<'m> Engine<'m> {
                     let last_chunk = (a.prompt.len() - 1) / s;
                     let chunks = (last_chunk + 1 - first_chunk) as u32;
                     // what llama.cpp counted while this job's prompt ran
-                    let (sparse0, tail0) = a.h2o_counts_before;
+                    let (sparse, tail) = st.counts_since(a.h2o_before.as_ref());
                     (
                         chunks,
-                        st.sparse_chunks.saturating_sub(sparse0),
-                        st.tail_tokens.saturating_sub(tail0),
+                        sparse,
+                        tail,
                         (h.local + h.heavy),
                         h.select.name().to_string(),
                     )
