@@ -55,18 +55,37 @@ impl Model {
         messages: &[ChatMessage],
         add_assistant: bool,
     ) -> Result<String> {
+        self.apply_named_chat_template(None, messages, add_assistant)
+    }
+
+    /// As [`Model::apply_chat_template`], with `template` in place of the model's own when
+    /// given: the name of one of llama.cpp's built-in templates (`chatml`, `llama3`,
+    /// `command-r`, … as llama-server's `--chat-template`) or a template's text.
+    ///
+    /// # Errors
+    /// As [`Model::apply_chat_template`]; a name llama.cpp does not know is
+    /// [`Error::ChatTemplate`].
+    pub fn apply_named_chat_template(
+        &self,
+        template: Option<&str>,
+        messages: &[ChatMessage],
+        add_assistant: bool,
+    ) -> Result<String> {
         if messages.is_empty() {
             return Err(Error::ChatTemplate(
                 "no messages: a chat prompt needs at least one message".into(),
             ));
         }
-        let template = self.chat_template().ok_or_else(|| {
+        let text = template
+            .map(str::to_string)
+            .or_else(|| self.chat_template());
+        let text = text.ok_or_else(|| {
             Error::ChatTemplate(format!(
                 "{} has no chat template in its GGUF: give the prompt as plain text instead",
                 self.path().display()
             ))
         })?;
-        let c_template = CString::new(template)?;
+        let c_template = CString::new(text)?;
         let owned: Vec<(CString, CString)> = messages
             .iter()
             .map(|m| {
@@ -104,11 +123,17 @@ impl Model {
                 )
             };
             let Ok(n) = usize::try_from(n) else {
-                return Err(Error::ChatTemplate(format!(
-                    "llama.cpp does not recognise the chat template of {} (it renders only its \
-                     built-in templates): give the prompt as plain text instead",
-                    self.path().display()
-                )));
+                return Err(Error::ChatTemplate(match template {
+                    Some(name) => format!(
+                        "llama.cpp does not recognise the chat template {name:?}: name one of its \
+                         built-in templates (chatml, llama3, gemma, command-r, …)"
+                    ),
+                    None => format!(
+                        "llama.cpp does not recognise the chat template of {} (it renders only its \
+                         built-in templates): give the prompt as plain text instead",
+                        self.path().display()
+                    ),
+                }));
             };
             if n <= buf.len() {
                 buf.truncate(n);

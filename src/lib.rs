@@ -39,6 +39,7 @@ pub mod demo;
 pub mod engine_rule;
 mod error;
 pub mod eval;
+pub mod grammars;
 pub mod heavy_hitters;
 pub mod llama_flags;
 mod model;
@@ -53,7 +54,7 @@ pub use capture::AttentionCapture;
 pub use chat::ChatMessage;
 pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
-pub use sampler::{Sampler, SamplerConfig};
+pub use sampler::{Sampler, SamplerConfig, TokenLogprobs};
 pub use session::{
     AbortCheck, CacheType, FlashAttention, Generation, H2oConfig, H2oState, ParallelSession,
     PromptCache, Selection, SeqId, Session, SessionConfig, Timings,

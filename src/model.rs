@@ -125,7 +125,7 @@ impl Model {
         self.ptr.as_ptr()
     }
 
-    fn vocab(&self) -> *const sys::llama_vocab {
+    pub(crate) fn vocab(&self) -> *const sys::llama_vocab {
         // SAFETY: valid model; the vocab lives as long as the model.
         unsafe { sys::llama_model_get_vocab(self.ptr.as_ptr()) }
     }

@@ -1,9 +1,10 @@
 //! Token sampling with llama.cpp's sampler chain.
 
+use std::ffi::CString;
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
-use crate::model::Token;
+use crate::model::{Model, Token};
 use crate::sys;
 
 /// How to pick the next token. `temperature <= 0` means greedy (argmax), as in llama.cpp.
@@ -16,6 +17,12 @@ pub struct SamplerConfig {
     pub top_p: f32,
     /// Seed of the final random draw.
     pub seed: u32,
+    /// Added to the logits of these tokens before anything else looks at them (OpenAI's and
+    /// llama-server's `logit_bias`); `f32::NEG_INFINITY` bans a token.
+    pub logit_bias: Vec<(Token, f32)>,
+    /// A GBNF grammar (llama.cpp's `grammars/README.md`) whose `root` rule every output must
+    /// follow; tokens that would leave it get no probability.
+    pub grammar: Option<String>,
 }
 
 impl SamplerConfig {
@@ -27,6 +34,8 @@ impl SamplerConfig {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            logit_bias: Vec::new(),
+            grammar: None,
         }
     }
 }
@@ -39,6 +48,8 @@ impl Default for SamplerConfig {
             top_k: 40,
             top_p: 0.95,
             seed: 0xC0FFEE,
+            logit_bias: Vec::new(),
+            grammar: None,
         }
     }
 }
@@ -63,8 +74,45 @@ impl Sampler {
     /// Builds the chain `top_k → top_p → temperature → dist(seed)`, or `greedy`.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for a NaN temperature or a top-p outside (0, 1].
+    /// [`Error::InvalidConfig`] for a NaN temperature, a top-p outside (0, 1], or a logit bias
+    /// or grammar, which need the model's vocabulary: use [`Sampler::for_model`].
     pub fn new(config: &SamplerConfig) -> Result<Self> {
+        if !config.logit_bias.is_empty() || config.grammar.is_some() {
+            return Err(Error::InvalidConfig(
+                "a logit bias or a grammar needs the model's vocabulary: build the sampler with \
+                 Sampler::for_model"
+                    .into(),
+            ));
+        }
+        Self::build(config, None)
+    }
+
+    /// Builds the chain `logit_bias → grammar → (greedy | top_k → top_p → temperature →
+    /// dist(seed))` for `model`'s vocabulary, as llama-server orders them: the bias and the
+    /// grammar decide which tokens can come before any of the others cut the candidates.
+    ///
+    /// # Errors
+    /// As [`Sampler::new`]; a biased token outside the vocabulary, a bias that is NaN, and a
+    /// grammar llama.cpp cannot parse (the message has llama.cpp's reason) are
+    /// [`Error::InvalidConfig`].
+    pub fn for_model(model: &Model, config: &SamplerConfig) -> Result<Self> {
+        let n_vocab = model.n_vocab();
+        for &(token, bias) in &config.logit_bias {
+            if usize::try_from(token).map_or(true, |t| t >= n_vocab) {
+                return Err(Error::InvalidConfig(format!(
+                    "logit bias for token {token}, which is not in the vocabulary (0..{n_vocab})"
+                )));
+            }
+            if bias.is_nan() {
+                return Err(Error::InvalidConfig(format!(
+                    "logit bias for token {token} is NaN"
+                )));
+            }
+        }
+        Self::build(config, Some(model))
+    }
+
+    fn build(config: &SamplerConfig, model: Option<&Model>) -> Result<Self> {
         if config.temperature.is_nan() {
             return Err(Error::InvalidConfig("temperature is NaN".into()));
         }
@@ -75,13 +123,51 @@ impl Sampler {
             )));
         }
         crate::backend::init();
+        let grammar = match (&config.grammar, model) {
+            (Some(g), Some(_)) => Some(CString::new(g.as_str()).map_err(|_| {
+                Error::InvalidConfig("the grammar contains a NUL character".into())
+            })?),
+            _ => None,
+        };
         // SAFETY: each llama_sampler_init_* returns a new sampler whose ownership passes to the
-        // chain on llama_sampler_chain_add; the chain is owned by `Sampler`.
+        // chain on llama_sampler_chain_add; the chain is owned by `Sampler` (dropped, and so
+        // freed, on every early return below).
         unsafe {
             let chain = sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
             let chain = NonNull::new(chain)
                 .ok_or_else(|| Error::InvalidConfig("cannot create sampler".into()))?;
             let this = Self { ptr: chain };
+            if let (Some(model), false) = (model, config.logit_bias.is_empty()) {
+                let biases: Vec<sys::llama_logit_bias> = config
+                    .logit_bias
+                    .iter()
+                    .map(|&(token, bias)| sys::llama_logit_bias { token, bias })
+                    .collect();
+                // llama.cpp copies the biases
+                sys::llama_sampler_chain_add(
+                    chain.as_ptr(),
+                    sys::llama_sampler_init_logit_bias(
+                        model.n_vocab() as i32,
+                        biases.len() as i32,
+                        biases.as_ptr(),
+                    ),
+                );
+            }
+            if let (Some(model), Some(grammar)) = (model, &grammar) {
+                crate::backend::clear_recent_log();
+                let g = sys::llama_sampler_init_grammar(
+                    model.vocab(),
+                    grammar.as_ptr(),
+                    c"root".as_ptr(),
+                );
+                if g.is_null() {
+                    return Err(Error::InvalidConfig(format!(
+                        "the grammar cannot be parsed: {}",
+                        crate::backend::recent_log_reason()
+                    )));
+                }
+                sys::llama_sampler_chain_add(chain.as_ptr(), g);
+            }
             if config.temperature <= 0.0 {
                 sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_greedy());
             } else {
@@ -128,5 +214,73 @@ impl Sampler {
     pub fn reset(&mut self) {
         // SAFETY: valid chain.
         unsafe { sys::llama_sampler_reset(self.ptr.as_ptr()) }
+    }
+}
+
+/// A token's log-probability under the softmax of a row of logits, with the `n` most likely
+/// tokens' (llama-server's `n_probs`, OpenAI's `logprobs`/`top_logprobs`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: Token,
+    /// Natural log of the token's probability.
+    pub logprob: f32,
+    /// The `n` most likely tokens, most likely first (ties: lower id first).
+    pub top: Vec<(Token, f32)>,
+}
+
+impl TokenLogprobs {
+    /// Log-probabilities of `token` and of the `n` most likely tokens under `softmax(logits)`,
+    /// the distribution before any sampler (as llama-server's default, `post_sampling_probs`
+    /// off). Computed in f64, so that a row of 150K logits sums without losing the tail.
+    #[must_use]
+    pub fn from_logits(logits: &[f32], token: Token, n: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits
+            .iter()
+            .map(|&l| (f64::from(l) - f64::from(max)).exp())
+            .sum();
+        let log_z = f64::from(max) + sum.ln();
+        let logprob = |t: usize| (f64::from(logits[t]) - log_z) as f32;
+        let mut top: Vec<usize> = Vec::with_capacity(n + 1);
+        if n > 0 {
+            // one pass keeping the best n, so that a 150K-token vocabulary is not sorted
+            for (t, &l) in logits.iter().enumerate() {
+                if top.len() == n && l <= logits[top[n - 1]] {
+                    continue;
+                }
+                let at = top.partition_point(|&u| logits[u] >= l);
+                top.insert(at, t);
+                top.truncate(n);
+            }
+        }
+        Self {
+            token,
+            logprob: usize::try_from(token)
+                .ok()
+                .filter(|&t| t < logits.len())
+                .map_or(f32::NEG_INFINITY, logprob),
+            top: top.into_iter().map(|t| (t as Token, logprob(t))).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenLogprobs;
+
+    #[test]
+    fn logprobs_are_a_log_softmax_and_the_top_list_is_sorted() {
+        let logits = [1.0_f32, 3.0, 2.0, 3.0, -1.0];
+        let p = TokenLogprobs::from_logits(&logits, 2, 3);
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        assert!((f64::from(p.logprob) - (2.0 - z.ln())).abs() < 1e-6);
+        let ids: Vec<i32> = p.top.iter().map(|&(t, _)| t).collect();
+        assert_eq!(ids, vec![1, 3, 2], "most likely first, ties by lower id");
+        let total: f64 = (0..logits.len())
+            .map(|t| f64::from(TokenLogprobs::from_logits(&logits, t as i32, 0).logprob).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(TokenLogprobs::from_logits(&logits, 0, 0).top.is_empty());
+        assert_eq!(TokenLogprobs::from_logits(&logits, 0, 9).top.len(), 5);
     }
 }

@@ -180,6 +180,7 @@ fn seeded_sampling_is_reproducible() {
         top_k: 40,
         top_p: 0.95,
         seed: 7,
+        ..SamplerConfig::default()
     };
     let tokens = m.tokenize("Once upon a time", true, true).unwrap();
     let run = || {
@@ -322,4 +323,61 @@ fn bad_model_files_are_clear_errors_not_crashes() {
         assert!(matches!(e, Error::ModelLoad { .. }), "cut at {cut}: {e}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_grammar_and_a_logit_bias_shape_what_is_sampled_and_bad_ones_are_refused() {
+    let m = common::model();
+    let prompt = m.tokenize("The capital of France is", true, true).unwrap();
+    let greedy = |config: &SamplerConfig| {
+        let mut s = Session::new(m, small_config()).unwrap();
+        let mut sampler = Sampler::for_model(m, config).unwrap();
+        s.generate(&prompt, &mut sampler, 6, |_| true).unwrap()
+    };
+    let plain = greedy(&SamplerConfig::greedy());
+    let first = plain.tokens[0];
+    let banned = greedy(&SamplerConfig {
+        logit_bias: vec![(first, f32::NEG_INFINITY)],
+        ..SamplerConfig::greedy()
+    });
+    assert_ne!(banned.tokens[0], first, "a banned token was sampled");
+    let digits = greedy(&SamplerConfig {
+        grammar: Some("root ::= [0-9]+".into()),
+        ..SamplerConfig::greedy()
+    });
+    assert!(
+        !digits.text.is_empty() && digits.text.chars().all(|c| c.is_ascii_digit()),
+        "{:?}",
+        digits.text
+    );
+
+    let refused = |config: SamplerConfig, what: &str| {
+        let e = Sampler::for_model(m, &config).expect_err(what);
+        assert!(
+            matches!(e, h2o_llama::Error::InvalidConfig(_)),
+            "{what}: {e}"
+        );
+    };
+    refused(
+        SamplerConfig {
+            logit_bias: vec![(m.n_vocab() as i32, 1.0)],
+            ..SamplerConfig::greedy()
+        },
+        "a token outside the vocabulary",
+    );
+    refused(
+        SamplerConfig {
+            grammar: Some("root ::= (".into()),
+            ..SamplerConfig::greedy()
+        },
+        "a grammar that does not parse",
+    );
+    assert!(
+        Sampler::new(&SamplerConfig {
+            grammar: Some("root ::= \"a\"".into()),
+            ..SamplerConfig::greedy()
+        })
+        .is_err(),
+        "a grammar needs the vocabulary: Sampler::for_model"
+    );
 }

@@ -406,6 +406,7 @@ fn sampler_config(cli: &Cli) -> SamplerConfig {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.subsec_nanos())
         }),
+        ..SamplerConfig::default()
     }
 }
 

@@ -1,7 +1,9 @@
-//! The one error shape every endpoint answers with: OpenAI's
-//! `{"error": {"message", "type", "param", "code"}}`, with the HTTP status that goes with it.
-//! Clients written for OpenAI read `error.message` and branch on the status; nothing the server
-//! sends may be axum's plain-text rejection instead.
+//! The one error shape every endpoint answers with, llama-server's:
+//! `{"error": {"code": STATUS, "message", "type"}}`, plus `param` naming the request field at
+//! fault where there is one, and for a prompt over the context llama-server's
+//! `exceed_context_size_error` with `n_prompt_tokens` and `n_ctx`. OpenAI clients read
+//! `error.message` and branch on the status; nothing the server sends may be axum's plain-text
+//! rejection instead.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -12,12 +14,14 @@ use crate::engine::{JobError, SubmitError};
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
-    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, `not_found_error`,
-    /// `server_error`, `unavailable_error`.
+    /// llama-server's `type`: `invalid_request_error`, `authentication_error`,
+    /// `not_found_error`, `server_error`, `unavailable_error`, `not_supported_error`,
+    /// `exceed_context_size_error`.
     pub kind: &'static str,
     /// The request field at fault, as OpenAI names it (`messages[0].content`, `max_tokens`).
     pub param: Option<String>,
-    pub code: Option<&'static str>,
+    /// More fields of the error object (`n_prompt_tokens`, `n_ctx`).
+    pub extra: Vec<(&'static str, serde_json::Value)>,
     /// Seconds for a `Retry-After` header (queue full).
     pub retry_after_s: Option<u64>,
 }
@@ -29,7 +33,7 @@ impl ApiError {
             message: message.into(),
             kind,
             param: None,
-            code: None,
+            extra: Vec::new(),
             retry_after_s: None,
         }
     }
@@ -48,9 +52,27 @@ impl ApiError {
     }
 
     pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message)
+    }
+
+    /// 501: a feature this server was started without (`--no-slots`, no `--slot-save-path`).
+    pub fn not_supported(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_IMPLEMENTED, "not_supported_error", message)
+    }
+
+    /// 400: the prompt does not fit a slot; llama-server's shape, which clients match on to
+    /// trim a conversation.
+    pub fn exceed_context(n_prompt: usize, n_ctx: u32, message: impl Into<String>) -> Self {
         Self {
-            code: Some("invalid_api_key"),
-            ..Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message)
+            extra: vec![
+                ("n_prompt_tokens", n_prompt.into()),
+                ("n_ctx", n_ctx.into()),
+            ],
+            ..Self::new(
+                StatusCode::BAD_REQUEST,
+                "exceed_context_size_error",
+                message,
+            )
         }
     }
 
@@ -67,38 +89,34 @@ impl ApiError {
     }
 
     pub fn too_large(limit: usize) -> Self {
-        Self {
-            code: Some("request_too_large"),
-            ..Self::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                format!(
-                    "the request body is larger than this server's limit of {limit} bytes: send a \
-                     shorter prompt, or start the server with a larger --max-body"
-                ),
-            )
-        }
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!(
+                "the request body is larger than this server's limit of {limit} bytes: send a \
+                 shorter prompt, or start the server with a larger --max-body"
+            ),
+        )
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
 
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-
     /// The JSON body, also sent as an SSE event when a stream fails after its headers.
     pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        })
+        let mut error = serde_json::json!({
+            "code": self.status.as_u16(),
+            "message": self.message,
+            "type": self.kind,
+        });
+        if let Some(p) = &self.param {
+            error["param"] = p.as_str().into();
+        }
+        for (k, v) in &self.extra {
+            error[*k] = v.clone();
+        }
+        serde_json::json!({ "error": error })
     }
 }
 
@@ -119,7 +137,6 @@ impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> Self {
         match e {
             SubmitError::QueueFull { retry_after_s, .. } => Self {
-                code: Some("queue_full"),
                 // at least 1: "Retry-After: 0" invites a client to hammer the server
                 retry_after_s: Some(retry_after_s.max(1)),
                 ..Self::new(
@@ -128,14 +145,11 @@ impl From<SubmitError> for ApiError {
                     e.to_string(),
                 )
             },
-            SubmitError::ShuttingDown => Self {
-                code: Some("shutting_down"),
-                ..Self::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "unavailable_error",
-                    e.to_string(),
-                )
-            },
+            SubmitError::ShuttingDown => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable_error",
+                e.to_string(),
+            ),
         }
     }
 }
@@ -144,12 +158,17 @@ impl From<SubmitError> for ApiError {
 pub fn job_error(e: &JobError, prompt_param: &str) -> ApiError {
     let message = e.to_string();
     match e {
-        // OpenAI's own code for this case, which some clients check to trim the conversation
-        JobError::PromptTooLong { .. } => {
-            ApiError::field(prompt_param, message).with_code("context_length_exceeded")
+        JobError::PromptTooLong {
+            n_prompt,
+            n_ctx_slot,
+        } => ApiError {
+            param: Some(prompt_param.to_string()),
+            ..ApiError::exceed_context(*n_prompt, *n_ctx_slot, message)
+        },
+        JobError::EmptyPrompt | JobError::Template(_) | JobError::BadPrompt(_) => {
+            ApiError::field(prompt_param, message)
         }
-        JobError::EmptyPrompt => ApiError::field(prompt_param, message).with_code("empty_prompt"),
-        JobError::Template(_) => ApiError::field(prompt_param, message).with_code("chat_template"),
+        JobError::Sampling { param, .. } => ApiError::field(param, message),
         JobError::Engine(_) => ApiError::internal(message),
         JobError::ShuttingDown => SubmitError::ShuttingDown.into(),
     }

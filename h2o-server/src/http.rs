@@ -7,29 +7,25 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
-use axum::http::{header, Method, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
-use h2o_llama::Token;
+use axum::Router;
+use h2o_llama::{ChatMessage, Token};
 use serde::de::DeserializeOwned;
-use serde_json::json;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{
-    EngineHandle, EngineInfo, Event, FinishReason, Job, JobTimings, Metrics, SubmitError,
+    EngineHandle, EngineInfo, Event, Job, JobError, Metrics, SlotView, SubmitError,
 };
-use crate::error::{engine_gone, job_error, ApiError};
-use crate::openai::{
-    AssistantMessage, Body, ChatChoice, ChatCompletion, ChatRequest, CompletionRequest, Head,
-    LlamaCompletion, LlamaCompletionRequest, TextChoice, TextCompletion, Usage,
-};
-use crate::{metrics, sse};
+use crate::error::ApiError;
+use crate::metrics;
+use crate::openai::Body;
+use crate::response::Spell;
 
 /// What the HTTP layer needs of the engine.
 pub trait Engine: Send + Sync + 'static {
@@ -38,6 +34,10 @@ pub trait Engine: Send + Sync + 'static {
     fn submit(&self, job: Job) -> Result<UnboundedReceiver<Event>, SubmitError>;
     fn info(&self) -> &EngineInfo;
     fn metrics(&self) -> &Metrics;
+    fn slots(&self) -> Vec<SlotView>;
+    /// # Errors
+    /// As [`EngineHandle::apply_template`].
+    fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError>;
     /// # Errors
     /// As [`EngineHandle::tokenize`].
     fn tokenize(
@@ -67,6 +67,14 @@ impl Engine for EngineHandle {
         EngineHandle::metrics(self)
     }
 
+    fn slots(&self) -> Vec<SlotView> {
+        EngineHandle::slots(self)
+    }
+
+    fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
+        EngineHandle::apply_template(self, messages)
+    }
+
     fn tokenize(
         &self,
         text: &str,
@@ -85,45 +93,83 @@ impl Engine for EngineHandle {
     }
 }
 
-pub struct AppState {
-    pub engine: Arc<dyn Engine>,
-    /// `--api-key`: every endpoint but `/health` wants `Authorization: Bearer KEY`.
+/// Token spellings for the log-probability lists, from the engine's vocabulary.
+pub struct EngineSpell(pub Arc<dyn Engine>);
+
+impl Spell for EngineSpell {
+    fn bytes(&self, token: Token) -> Vec<u8> {
+        self.0.token_piece(token).unwrap_or_default()
+    }
+}
+
+/// Server settings the endpoints follow, beside the engine's.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// `--api-key`: every endpoint but the public ones wants the key.
     pub api_key: Option<String>,
     /// `--max-body`, in bytes.
     pub max_body: usize,
+    /// `GET /slots` (off: 501, `--no-slots`).
+    pub slots: bool,
+    /// The page at `/` (off: 404, `--no-webui`).
+    pub webui: bool,
+}
+
+impl Options {
+    #[must_use]
+    pub fn new(api_key: Option<String>, max_body: usize) -> Self {
+        Self {
+            api_key,
+            max_body,
+            slots: true,
+            webui: true,
+        }
+    }
+}
+
+pub struct AppState {
+    pub engine: Arc<dyn Engine>,
+    pub options: Options,
     /// Requests answered 503 because the queue was full (the engine never saw them).
     pub rejected_queue_full: AtomicU64,
 }
 
 impl AppState {
-    pub fn new(engine: Arc<dyn Engine>, api_key: Option<String>, max_body: usize) -> Self {
+    pub fn new(engine: Arc<dyn Engine>, options: Options) -> Self {
         Self {
             engine,
-            api_key,
-            max_body,
+            options,
             rejected_queue_full: AtomicU64::new(0),
         }
     }
+
+    /// Token spellings through this state's engine.
+    pub fn spell(&self) -> Arc<EngineSpell> {
+        Arc::new(EngineSpell(Arc::clone(&self.engine)))
+    }
 }
 
-type Shared = Arc<AppState>;
+pub(crate) type Shared = Arc<AppState>;
 
 pub fn router(state: Shared) -> Router {
     Router::new()
         // llama-server answers each of these with and without the /v1 prefix
-        .route("/v1/chat/completions", post(chat))
-        .route("/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
-        .route("/completions", post(completions))
-        .route("/completion", post(llama_completion))
-        .route("/v1/models", get(models))
-        .route("/models", get(models))
-        .route("/health", get(health))
-        .route("/v1/health", get(health))
+        .route("/v1/chat/completions", post(generate::chat))
+        .route("/chat/completions", post(generate::chat))
+        .route("/v1/completions", post(generate::completions))
+        .route("/completions", post(generate::completions))
+        .route("/completion", post(generate::llama_completion))
+        .route("/v1/models", get(info::models))
+        .route("/models", get(info::models))
+        .route("/health", get(info::health))
+        .route("/v1/health", get(info::health))
         .route("/metrics", get(metrics_text))
-        .route("/props", get(props))
+        .route("/props", get(info::props))
+        .route("/slots", get(info::slots))
+        .route("/apply-template", post(info::apply_template))
         .route("/tokenize", post(tokens::tokenize))
         .route("/detokenize", post(tokens::detokenize))
+        .route("/", get(info::webui))
         .fallback(not_found)
         // after the routes: it applies to those registered so far
         .method_not_allowed_fallback(method_not_allowed)
@@ -131,118 +177,73 @@ pub fn router(state: Shared) -> Router {
             state.clone(),
             require_api_key,
         ))
-        .layer(DefaultBodyLimit::max(state.max_body))
-        .layer(middleware::from_fn(log_requests))
+        .layer(DefaultBodyLimit::max(state.options.max_body))
+        .layer(middleware::from_fn(cors))
+        .layer(middleware::from_fn(crate::log::log_requests))
         .with_state(state)
 }
 
-// ---- request log --------------------------------------------------------------------------------
+// ---- CORS ---------------------------------------------------------------------------------------
 
-/// What the log line of a request says, beyond method, path and status.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct JobStats {
-    /// The engine slot that ran the request.
-    pub slot: Option<u32>,
-    pub prompt_tokens: Option<usize>,
-    pub completion_tokens: Option<usize>,
-    pub ttft: Option<Duration>,
-}
-
-/// Put on a streamed response: the stream writes its own log line when it ends, since the
-/// counts are not known when the headers go out.
-#[derive(Debug, Clone, Copy)]
-pub struct LoggedByStream;
-
-/// The request's method, path and arrival, for handlers that log (or time) it themselves.
-#[derive(Debug, Clone)]
-pub struct RequestInfo {
-    pub method: Method,
-    pub path: String,
-    pub start: Instant,
-}
-
-async fn log_requests(mut req: Request, next: Next) -> Response {
-    let info = RequestInfo {
-        method: req.method().clone(),
-        path: req.uri().path().to_string(),
-        start: Instant::now(),
+/// Browsers' cross-origin requests, as llama-server allows them: any origin, and a preflight
+/// `OPTIONS` answered 200 (before the key check: a preflight carries no credentials).
+async fn cors(req: Request, next: Next) -> Response {
+    let origin = req.headers().get(header::ORIGIN).cloned();
+    let mut response = if req.method() == Method::OPTIONS {
+        StatusCode::OK.into_response()
+    } else {
+        next.run(req).await
     };
-    req.extensions_mut().insert(info.clone());
-    let response = next.run(req).await;
-    if response.extensions().get::<LoggedByStream>().is_none() {
-        let stats = response
-            .extensions()
-            .get::<JobStats>()
-            .copied()
-            .unwrap_or_default();
-        let error = response
-            .extensions()
-            .get::<ApiError>()
-            .map(|e| e.message.as_str());
-        log_line(&info, response.status(), &stats, "", error);
-    }
+    let h = response.headers_mut();
+    h.insert(
+        header::ACCESS_CONTROL_ALLOW_ORIGIN,
+        origin.unwrap_or_else(|| HeaderValue::from_static("*")),
+    );
+    h.insert(
+        header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+        HeaderValue::from_static("true"),
+    );
+    h.insert(
+        header::ACCESS_CONTROL_ALLOW_METHODS,
+        HeaderValue::from_static("GET, POST, OPTIONS"),
+    );
+    h.insert(
+        header::ACCESS_CONTROL_ALLOW_HEADERS,
+        HeaderValue::from_static("*"),
+    );
     response
-}
-
-/// One line per request on stderr: `h2o-server: POST /v1/chat/completions 200 prompt=… completion=…
-/// ttft=…ms total=…ms`, with `stream` for streamed answers and the reason for errors.
-pub fn log_line(
-    info: &RequestInfo,
-    status: StatusCode,
-    stats: &JobStats,
-    note: &str,
-    error: Option<&str>,
-) {
-    let opt = |v: Option<usize>| v.map_or_else(|| "-".to_string(), |n| n.to_string());
-    let ttft = stats.ttft.map_or_else(
-        || "-".to_string(),
-        |d| format!("{:.1}ms", d.as_secs_f64() * 1e3),
-    );
-    let mut line = format!(
-        "h2o-server: {} {} {}{note} slot={} prompt={} completion={} ttft={ttft} total={:.1}ms",
-        info.method,
-        info.path,
-        status.as_u16(),
-        stats
-            .slot
-            .map_or_else(|| "-".to_string(), |s| s.to_string()),
-        opt(stats.prompt_tokens),
-        opt(stats.completion_tokens),
-        info.start.elapsed().as_secs_f64() * 1e3,
-    );
-    if let Some(e) = error {
-        // a log line, not a dump: long messages quote the whole prompt at times
-        let e: String = e.chars().take(300).collect();
-        line.push_str(": ");
-        line.push_str(&e);
-    }
-    eprintln!("{line}");
 }
 
 // ---- API key ------------------------------------------------------------------------------------
 
+/// Endpoints that answer without a key, as llama-server's: health checks come from load
+/// balancers, and the model list and the page from anyone who may then log in.
+const PUBLIC: &[&str] = &["/health", "/v1/health", "/models", "/v1/models", "/"];
+
 async fn require_api_key(State(state): State<Shared>, req: Request, next: Next) -> Response {
-    let Some(key) = &state.api_key else {
+    let Some(key) = &state.options.api_key else {
         return next.run(req).await;
     };
-    // health checks come from load balancers, which hold no key (as in llama-server)
-    if matches!(req.uri().path(), "/health" | "/v1/health") {
+    if PUBLIC.contains(&req.uri().path()) {
         return next.run(req).await;
     }
-    let given = req
-        .headers()
+    // `Authorization: Bearer KEY`, or llama-server's other header, `X-Api-Key: KEY`
+    let headers = req.headers();
+    let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
         .map(str::trim);
     match given {
         Some(k) if constant_time_eq(k.as_bytes(), key.as_bytes()) => next.run(req).await,
         Some(_) => ApiError::unauthorized(
-            "invalid API key: send the key the server was started with (--api-key)",
+            "Invalid API Key: send the key the server was started with (--api-key)",
         )
         .into_response(),
         None => ApiError::unauthorized(
-            "this server needs an API key: send the header `Authorization: Bearer KEY`",
+            "Invalid API Key: this server needs one, in the header `Authorization: Bearer KEY` \
+             or `X-Api-Key: KEY`",
         )
         .into_response(),
     }
@@ -268,7 +269,7 @@ impl<T: Body> FromRequest<Shared> for ApiJson<T> {
     async fn from_request(req: Request, state: &Shared) -> Result<Self, ApiError> {
         let bytes = Bytes::from_request(req, state).await.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::too_large(state.max_body)
+                ApiError::too_large(state.options.max_body)
             } else {
                 ApiError::invalid(
                     None,
@@ -350,293 +351,6 @@ fn json_error(path: &str, e: serde_json::Error) -> ApiError {
     }
 }
 
-// ---- generation ---------------------------------------------------------------------------------
-
-/// A submitted job whose first event has arrived: from here on the answer is a 200, or, for a
-/// stream, events in the body. Dropping it drops the receiver, which cancels the job.
-pub struct Run {
-    rx: UnboundedReceiver<Event>,
-    first: Option<Event>,
-    /// The request field that held the prompt, for error objects.
-    pub prompt_param: &'static str,
-    pub request: RequestInfo,
-    pub stats: JobStats,
-}
-
-/// What a finished job produced.
-pub struct Output {
-    pub text: String,
-    pub finish: FinishReason,
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    pub timings: JobTimings,
-}
-
-impl Run {
-    /// Submits `job` and waits for its first event, so that a job refused at once (a prompt too
-    /// long for a slot) is still a 400 rather than an error inside a 200 stream. The wait
-    /// includes the time in the queue.
-    async fn start(
-        state: &AppState,
-        job: Job,
-        prompt_param: &'static str,
-        request: RequestInfo,
-    ) -> Result<Self, ApiError> {
-        let mut rx = state.engine.submit(job).inspect_err(|e| {
-            if matches!(e, SubmitError::QueueFull { .. }) {
-                state.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
-            }
-        })?;
-        let first = match rx.recv().await {
-            None => return Err(engine_gone()),
-            Some(Event::Failed(e)) => return Err(job_error(&e, prompt_param)),
-            Some(first) => first,
-        };
-        Ok(Self {
-            rx,
-            // handed out (and counted) by the first `next`
-            first: Some(first),
-            prompt_param,
-            request,
-            stats: JobStats::default(),
-        })
-    }
-
-    /// The next event, keeping the log's counts; `None` once the engine dropped the sender.
-    pub async fn next(&mut self) -> Option<Event> {
-        let event = match self.first.take() {
-            Some(e) => e,
-            None => self.rx.recv().await?,
-        };
-        match &event {
-            Event::Started {
-                slot,
-                prompt_tokens,
-            } => {
-                self.stats.slot = Some(*slot);
-                self.stats.prompt_tokens = Some(*prompt_tokens);
-            }
-            Event::Token { .. } => {
-                self.stats
-                    .ttft
-                    .get_or_insert_with(|| self.request.start.elapsed());
-                *self.stats.completion_tokens.get_or_insert(0) += 1;
-            }
-            Event::Done {
-                prompt_tokens,
-                completion_tokens,
-                ..
-            } => {
-                self.stats.prompt_tokens = Some(*prompt_tokens);
-                self.stats.completion_tokens = Some(*completion_tokens);
-            }
-            Event::Failed(_) => {}
-        }
-        Some(event)
-    }
-
-    /// Reads the job to its end.
-    async fn collect(mut self) -> Result<(Output, JobStats), ApiError> {
-        let mut text = String::new();
-        loop {
-            match self.next().await {
-                Some(Event::Started { .. }) => {}
-                Some(Event::Token { text: piece, .. }) => text.push_str(&piece),
-                Some(Event::Done {
-                    finish,
-                    completion_tokens,
-                    prompt_tokens,
-                    timings,
-                }) => {
-                    let output = Output {
-                        text,
-                        finish,
-                        prompt_tokens,
-                        completion_tokens,
-                        timings,
-                    };
-                    return Ok((output, self.stats));
-                }
-                Some(Event::Failed(e)) => return Err(job_error(&e, self.prompt_param)),
-                None => return Err(engine_gone()),
-            }
-        }
-    }
-}
-
-/// A JSON 200 whose log line carries the job's counts.
-fn json_with_stats<T: serde::Serialize>(body: &T, stats: JobStats) -> Response {
-    let mut response = Json(body).into_response();
-    response.extensions_mut().insert(stats);
-    response
-}
-
-async fn chat(
-    State(state): State<Shared>,
-    Extension(request): Extension<RequestInfo>,
-    ApiJson(body): ApiJson<ChatRequest>,
-) -> Result<Response, ApiError> {
-    let info = state.engine.info();
-    let (job, delivery) = body.into_job(info)?;
-    let run = Run::start(&state, job, "messages", request).await?;
-    let head = Head::new(
-        "chatcmpl",
-        if delivery.stream {
-            "chat.completion.chunk"
-        } else {
-            "chat.completion"
-        },
-        info,
-    );
-    if delivery.stream {
-        return Ok(sse::respond(
-            run,
-            sse::Format::Chat {
-                head,
-                include_usage: delivery.include_usage,
-            },
-        ));
-    }
-    let (out, stats) = run.collect().await?;
-    let body = ChatCompletion {
-        head,
-        choices: [ChatChoice {
-            index: 0,
-            message: AssistantMessage {
-                role: "assistant",
-                content: out.text,
-            },
-            finish_reason: out.finish.as_str(),
-            logprobs: None,
-        }],
-        usage: Usage::new(out.prompt_tokens, out.completion_tokens),
-        timings: out.timings,
-    };
-    Ok(json_with_stats(&body, stats))
-}
-
-async fn completions(
-    State(state): State<Shared>,
-    Extension(request): Extension<RequestInfo>,
-    ApiJson(body): ApiJson<CompletionRequest>,
-) -> Result<Response, ApiError> {
-    let info = state.engine.info();
-    let (job, delivery) = body.into_job(info)?;
-    let run = Run::start(&state, job, "prompt", request).await?;
-    let head = Head::new("cmpl", "text_completion", info);
-    if delivery.stream {
-        return Ok(sse::respond(
-            run,
-            sse::Format::Text {
-                head,
-                include_usage: delivery.include_usage,
-            },
-        ));
-    }
-    let (out, stats) = run.collect().await?;
-    let body = TextCompletion {
-        head,
-        choices: [TextChoice {
-            index: 0,
-            text: out.text,
-            finish_reason: Some(out.finish.as_str()),
-            logprobs: None,
-        }],
-        usage: Usage::new(out.prompt_tokens, out.completion_tokens),
-        timings: out.timings,
-    };
-    Ok(json_with_stats(&body, stats))
-}
-
-async fn llama_completion(
-    State(state): State<Shared>,
-    Extension(request): Extension<RequestInfo>,
-    ApiJson(body): ApiJson<LlamaCompletionRequest>,
-) -> Result<Response, ApiError> {
-    let info = state.engine.info();
-    let (job, delivery) = body.into_job(info)?;
-    let run = Run::start(&state, job, "prompt", request).await?;
-    if delivery.stream {
-        return Ok(sse::respond(
-            run,
-            sse::Format::Llama {
-                model: info.model_id.clone(),
-            },
-        ));
-    }
-    let (out, stats) = run.collect().await?;
-    let body = llama_final(&out.text, &info.model_id, &out);
-    Ok(json_with_stats(&body, stats))
-}
-
-/// llama-server's `stop_type` for a finish reason.
-pub fn stop_type(finish: FinishReason) -> &'static str {
-    match finish {
-        FinishReason::Stop => "eos",
-        FinishReason::StopWord => "word",
-        FinishReason::Length => "limit",
-    }
-}
-
-pub fn llama_final<'a>(content: &'a str, model: &'a str, out: &'a Output) -> LlamaCompletion<'a> {
-    LlamaCompletion {
-        content,
-        stop: true,
-        model,
-        tokens_predicted: out.completion_tokens,
-        tokens_evaluated: out.prompt_tokens,
-        tokens_cached: out.timings.cache_n,
-        stop_type: stop_type(out.finish),
-        timings: &out.timings,
-    }
-}
-
-// ---- everything else ----------------------------------------------------------------------------
-
-async fn models(State(state): State<Shared>) -> Json<serde_json::Value> {
-    let info = state.engine.info();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": info.model_id,
-            "object": "model",
-            "created": info.created,
-            "owned_by": "h2o-llama",
-            "meta": {
-                "n_ctx_slot": info.n_ctx_slot,
-                "n_parallel": info.n_parallel,
-                "n_ubatch": info.n_ubatch,
-                "h2o": info.h2o,
-            },
-        }],
-    }))
-}
-
-async fn health(State(state): State<Shared>) -> Json<serde_json::Value> {
-    let info = state.engine.info();
-    let m = state.engine.metrics();
-    let busy = m.slots_busy.load(Ordering::Relaxed);
-    Json(json!({
-        "status": "ok",
-        "slots_idle": u64::from(info.n_parallel).saturating_sub(busy),
-        "slots_busy": busy,
-        "queue_length": m.queue_len.load(Ordering::Relaxed),
-    }))
-}
-
-async fn props(State(state): State<Shared>) -> Json<serde_json::Value> {
-    let info = state.engine.info();
-    Json(json!({
-        "model_path": info.model_id,
-        "total_slots": info.n_parallel,
-        "default_generation_settings": { "n_ctx": info.n_ctx_slot },
-        "n_ubatch": info.n_ubatch,
-        "flash_attn": info.flash_attn.name(),
-        "h2o": info.h2o,
-        "build_info": format!("h2o-server {} (llama.cpp from llama-cpp-sys-2 {})", env!("CARGO_PKG_VERSION"), h2o_llama::UPSTREAM_VERSION),
-    }))
-}
-
 async fn metrics_text(State(state): State<Shared>) -> Response {
     let body = metrics::render(
         state.engine.metrics(),
@@ -649,8 +363,8 @@ async fn metrics_text(State(state): State<Shared>) -> Response {
 async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
     ApiError::not_found(format!(
         "no endpoint {method} {}: this server has POST /v1/chat/completions, POST /v1/completions, \
-         POST /completion, POST /tokenize, POST /detokenize, GET /v1/models, GET /health, \
-         GET /metrics and GET /props",
+         POST /completion, POST /tokenize, POST /detokenize, POST /apply-template, GET /v1/models, \
+         GET /health, GET /metrics, GET /props and GET /slots",
         uri.path()
     ))
 }
@@ -659,6 +373,8 @@ async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
     ApiError::method_not_allowed(format!("{} does not take {method}", uri.path()))
 }
 
+mod generate;
+mod info;
 mod tokens;
 
 #[cfg(test)]

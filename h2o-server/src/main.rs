@@ -21,11 +21,14 @@ use tokio::sync::watch;
 mod engine;
 mod error;
 mod http;
+mod log;
 mod metrics;
 mod openai;
+mod response;
+mod run;
 mod sse;
 
-use engine::{EngineConfig, EngineHandle};
+use engine::{EngineConfig, EngineHandle, RequestDefaults};
 
 /// Exit codes, as h2o-cli's (README): distinct per failure class.
 mod exit {
@@ -149,6 +152,49 @@ struct Cli {
     /// choose its memory (1, 2, 4, 8, 16, 32 or 64)
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     h2o_tile_samples: u32,
+    /// The model's name in /v1/models and in answers; several, comma-separated, are aliases
+    /// [default: the model's file name]
+    #[arg(short = 'a', long, value_name = "NAME")]
+    alias: Option<String>,
+    /// Default seed of requests that give none (-1: a random one per request)
+    #[arg(short = 's', long, value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    seed: i64,
+    /// Default temperature of requests that give none (0: greedy)
+    #[arg(long, value_name = "T", default_value_t = 0.8)]
+    temp: f64,
+    /// Default top-k of requests that give none (0: off)
+    #[arg(long, value_name = "N", default_value_t = 40)]
+    top_k: i32,
+    /// Default top-p of requests that give none (1: off)
+    #[arg(long, value_name = "P", default_value_t = 0.95)]
+    top_p: f64,
+    /// Most tokens a request generates when it asks for none (-1: until the slot is full);
+    /// requests asking for more get this many
+    #[arg(short = 'n', long = "n-predict", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    n_predict: i64,
+    /// Chat template in place of the model's: one of llama.cpp's built-in templates by name
+    /// (chatml, llama3, gemma, command-r, …) or a template's text
+    #[arg(long = "chat-template", value_name = "NAME")]
+    chat_template: Option<String>,
+    /// Accepted for llama-server's command lines: chat templates are rendered by llama.cpp's
+    /// built-in templates with or without it (README: differences from llama-server)
+    #[arg(long)]
+    jinja: bool,
+    /// llama-server's --no-jinja, accepted
+    #[arg(long = "no-jinja", hide = true)]
+    no_jinja: bool,
+    /// GET /slots (on by default)
+    #[arg(long, overrides_with = "no_slots")]
+    slots: bool,
+    /// Answer GET /slots with 501
+    #[arg(long = "no-slots")]
+    no_slots: bool,
+    /// Accepted for llama-server's command lines: /metrics is always on
+    #[arg(long)]
+    metrics: bool,
+    /// No web page at / (404)
+    #[arg(long = "no-webui")]
+    no_webui: bool,
     /// Echo llama.cpp's own log to stderr
     #[arg(short = 'v', long)]
     verbose: bool,
@@ -298,6 +344,22 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_gpu_layers: cli.n_gpu_layers,
         h2o,
         queue_capacity: cli.queue,
+        chat_template: cli.chat_template.clone(),
+        aliases: cli
+            .alias
+            .iter()
+            .flat_map(|a| a.split(','))
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(str::to_string)
+            .collect(),
+        defaults: RequestDefaults {
+            temperature: cli.temp,
+            top_k: cli.top_k,
+            top_p: cli.top_p,
+            seed: cli.seed,
+            n_predict: cli.n_predict,
+        },
     })
 }
 
@@ -376,11 +438,12 @@ async fn run(cli: Cli) -> Result<()> {
         );
     }
 
-    let state = Arc::new(http::AppState::new(
-        Arc::new(engine.clone()),
-        cli.api_key.clone(),
-        cli.max_body,
-    ));
+    let options = http::Options {
+        slots: !cli.no_slots,
+        webui: !cli.no_webui,
+        ..http::Options::new(cli.api_key.clone(), cli.max_body)
+    };
+    let state = Arc::new(http::AppState::new(Arc::new(engine.clone()), options));
     let app = http::router(state);
     let local = listener
         .local_addr()

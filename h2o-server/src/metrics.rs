@@ -124,6 +124,9 @@ mod tests {
             flash_attn: h2o_llama::FlashAttention::Off,
             h2o: None,
             created: 0,
+            n_vocab: 256,
+            aliases: Vec::new(),
+            defaults: crate::engine::RequestDefaults::default(),
         };
         let text = render(&m, &info, 3);
         let lines: Vec<&str> = text.lines().collect();

@@ -4,17 +4,17 @@
 //!
 //! Every check happens here, before the engine sees the job, so that a bad request costs no slot
 //! and gets a 400 naming the field. Fields this server does not implement (`frequency_penalty`,
-//! `logprobs`, `user`, …) are ignored, as llama-server does, except those that would change the
-//! answer's shape (`n` > 1).
+//! `user`, …) are ignored, as llama-server does, except those that would change the answer's
+//! shape (`n` > 1) or its content (`json_schema`, `tools`): those are refused.
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use h2o_llama::{ChatMessage, Selection};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::Value;
 
-use crate::engine::{EngineInfo, H2oOverrides, Job, JobTimings, Prompt, Sampling};
+use crate::engine::{EngineInfo, H2oOverrides, Job, Prompt, PromptPiece, Sampling};
 use crate::error::ApiError;
 
 /// OpenAI's range for `temperature`.
@@ -35,6 +35,16 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<i64>,
     #[serde(default)]
     pub n: Option<i64>,
+    /// OpenAI's: log-probabilities of the answer's tokens, and `top_logprobs` of the likeliest.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<i64>,
+    /// `{"type": "text" | "json_object" | "json_schema", …}`.
+    #[serde(default)]
+    pub response_format: Value,
+    #[serde(default)]
+    pub tools: Value,
     #[serde(skip)]
     pub common: Common,
 }
@@ -69,6 +79,9 @@ pub struct CompletionRequest {
     pub n: Option<i64>,
     #[serde(default)]
     pub echo: Option<bool>,
+    /// OpenAI's legacy `logprobs`: the number of likeliest tokens to list with each.
+    #[serde(default)]
+    pub logprobs: Option<i64>,
     #[serde(skip)]
     pub common: Common,
 }
@@ -82,6 +95,18 @@ pub struct LlamaCompletionRequest {
     /// -1 (or absent): until the end of generation or a full slot.
     #[serde(default)]
     pub n_predict: Option<i64>,
+    /// llama-server's `n_probs`: log-probabilities of each token and of the likeliest this many.
+    #[serde(default)]
+    pub n_probs: Option<i64>,
+    /// `n_probs` as probabilities (`prob`, `top_probs`) rather than log-probabilities.
+    #[serde(default)]
+    pub post_sampling_probs: Option<bool>,
+    /// The ids of the answer's tokens in `tokens`.
+    #[serde(default)]
+    pub return_tokens: Option<bool>,
+    /// Only these fields of the answer (`"generation_settings/n_predict"` reaches inside).
+    #[serde(default)]
+    pub response_fields: Option<Vec<String>>,
     #[serde(skip)]
     pub common: Common,
 }
@@ -100,6 +125,21 @@ pub struct Common {
     /// A string or an array of strings.
     #[serde(default)]
     pub stop: Value,
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// `{"TOKEN_ID": bias}`, or `[[TOKEN_ID or "text", bias or false], …]` (llama-server's);
+    /// `false` (or -inf) bans the token.
+    #[serde(default)]
+    pub logit_bias: Value,
+    /// GBNF the answer must follow.
+    #[serde(default)]
+    pub grammar: Option<String>,
+    /// A JSON schema the answer must follow (llama-server's field).
+    #[serde(default)]
+    pub json_schema: Value,
+    /// Send `prompt_progress` events while the prompt is evaluated (streams only).
+    #[serde(default)]
+    pub return_progress: Option<bool>,
     /// H2O overrides for this request (extensions of this server).
     #[serde(default)]
     pub h2o_select: Option<String>,
@@ -136,11 +176,21 @@ impl Body for LlamaCompletionRequest {
 }
 
 /// How the answer is sent, decided from the request.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Delivery {
     pub stream: bool,
     /// OpenAI's `stream_options.include_usage`: one more chunk with `usage` before `[DONE]`.
     pub include_usage: bool,
+    /// Log-probabilities in the answer (`logprobs`, `n_probs`).
+    pub probs: bool,
+    /// `/completion`'s `post_sampling_probs`: probabilities rather than their logs.
+    pub probs_linear: bool,
+    /// `/completion`'s `return_tokens`.
+    pub return_tokens: bool,
+    /// `/completion`'s `response_fields`.
+    pub response_fields: Option<Vec<String>>,
+    /// `return_progress`: `prompt_progress` events in a stream.
+    pub progress: bool,
 }
 
 impl ChatRequest {
@@ -149,18 +199,7 @@ impl ChatRequest {
     /// # Errors
     /// A 400 naming the first bad field.
     pub fn into_job(self, info: &EngineInfo) -> Result<(Job, Delivery), ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::field(
-                "messages",
-                "messages is empty: send at least one message",
-            ));
-        }
-        let messages = self
-            .messages
-            .into_iter()
-            .enumerate()
-            .map(|(i, m)| message(i, m))
-            .collect::<Result<Vec<_>, _>>()?;
+        let messages = chat_messages(self.messages)?;
         check_n(self.n)?;
         // both given: the newer name wins, as in OpenAI's API
         let (max_param, max) = match (self.max_completion_tokens, self.max_tokens) {
@@ -168,16 +207,46 @@ impl ChatRequest {
             (None, m) => ("max_tokens", m),
         };
         let max_tokens = max_tokens(max_param, max, false, info)?;
-        let job = job(Prompt::Chat(messages), &self.common, max_tokens, info)?;
-        Ok((job, delivery(self.stream, self.stream_options.as_ref())))
+        if !self.tools.is_null() && self.tools.as_array().is_none_or(|t| !t.is_empty()) {
+            return Err(ApiError::field(
+                "tools",
+                "tools are not supported yet by this server (its chat templates are llama.cpp's \
+                 built-in ones, which render no tool definitions): leave tools out",
+            ));
+        }
+        let top = match (self.logprobs, self.top_logprobs) {
+            (Some(true), n) => Some(count_field("top_logprobs", n.unwrap_or(0), 20)?),
+            (_, Some(_)) => {
+                return Err(ApiError::field(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ))
+            }
+            _ => None,
+        };
+        let mut job = job(Prompt::Chat(messages), &self.common, max_tokens, info)?;
+        if let Some(g) = response_format_grammar(&self.response_format)? {
+            if job.sampling.grammar.is_some() {
+                return Err(ApiError::field(
+                    "response_format",
+                    "response_format and grammar/json_schema both constrain the answer: send one",
+                ));
+            }
+            job.sampling.grammar = Some(g);
+        }
+        job.sampling.probs = top;
+        let mut d = delivery(self.stream, self.stream_options.as_ref(), &self.common);
+        d.probs = top.is_some();
+        job.progress = d.progress;
+        Ok((job, d))
     }
 }
 
 impl CompletionRequest {
     /// # Errors
     /// A 400 naming the first bad field.
-    pub fn into_job(self, info: &EngineInfo) -> Result<(Job, Delivery), ApiError> {
-        let prompt = prompt_text(&self.prompt)?;
+    pub fn into_job(self, info: &EngineInfo) -> Result<(Vec<Job>, Delivery), ApiError> {
+        let prompts = prompts(&self.prompt, info)?;
         check_n(self.n)?;
         if self.echo == Some(true) {
             return Err(ApiError::field(
@@ -185,21 +254,66 @@ impl CompletionRequest {
                 "echo is not supported: leave it out or set it to false",
             ));
         }
+        let probs = self
+            .logprobs
+            .map(|n| count_field("logprobs", n, 20))
+            .transpose()?;
         let max_tokens = max_tokens("max_tokens", self.max_tokens, false, info)?;
-        let job = job(Prompt::Text(prompt), &self.common, max_tokens, info)?;
-        Ok((job, delivery(self.stream, self.stream_options.as_ref())))
+        let mut d = delivery(self.stream, self.stream_options.as_ref(), &self.common);
+        d.probs = probs.is_some();
+        let jobs = jobs(prompts, &self.common, max_tokens, probs, &d, info)?;
+        Ok((jobs, d))
     }
 }
 
 impl LlamaCompletionRequest {
     /// # Errors
     /// A 400 naming the first bad field.
-    pub fn into_job(self, info: &EngineInfo) -> Result<(Job, Delivery), ApiError> {
-        let prompt = prompt_text(&self.prompt)?;
+    pub fn into_job(self, info: &EngineInfo) -> Result<(Vec<Job>, Delivery), ApiError> {
+        let prompts = prompts(&self.prompt, info)?;
         let max_tokens = max_tokens("n_predict", self.n_predict, true, info)?;
-        let job = job(Prompt::Text(prompt), &self.common, max_tokens, info)?;
-        Ok((job, delivery(self.stream, None)))
+        let probs = match self.n_probs {
+            None | Some(0) => None,
+            Some(n) => Some(count_field("n_probs", n, 100)?),
+        };
+        let mut d = delivery(self.stream, None, &self.common);
+        d.probs = probs.is_some();
+        d.probs_linear = self.post_sampling_probs == Some(true);
+        d.return_tokens = self.return_tokens == Some(true);
+        d.response_fields = self.response_fields;
+        let jobs = jobs(prompts, &self.common, max_tokens, probs, &d, info)?;
+        Ok((jobs, d))
     }
+}
+
+/// One job per prompt of a completion request (a stream takes one prompt).
+fn jobs(
+    prompts: Vec<Prompt>,
+    common: &Common,
+    max_tokens: u32,
+    probs: Option<usize>,
+    d: &Delivery,
+    info: &EngineInfo,
+) -> Result<Vec<Job>, ApiError> {
+    if d.stream && prompts.len() > 1 {
+        return Err(ApiError::field(
+            "prompt",
+            format!(
+                "prompt holds {} prompts, which a stream cannot carry: send them without \
+                 stream, or one per request",
+                prompts.len()
+            ),
+        ));
+    }
+    prompts
+        .into_iter()
+        .map(|p| {
+            let mut job = job(p, common, max_tokens, info)?;
+            job.sampling.probs = probs;
+            job.progress = d.progress;
+            Ok(job)
+        })
+        .collect()
 }
 
 /// A job from its prompt and the fields every generation endpoint shares.
@@ -211,17 +325,77 @@ fn job(
 ) -> Result<Job, ApiError> {
     Ok(Job {
         prompt,
-        sampling: sampling(common, max_tokens)?,
+        sampling: sampling(common, max_tokens, info)?,
         h2o: h2o_overrides(common, info)?,
+        progress: false,
     })
 }
 
-fn delivery(stream: Option<bool>, options: Option<&StreamOptions>) -> Delivery {
+fn delivery(stream: Option<bool>, options: Option<&StreamOptions>, common: &Common) -> Delivery {
     let stream = stream.unwrap_or(false);
     Delivery {
         stream,
         include_usage: stream && options.is_some_and(|o| o.include_usage),
+        progress: stream && common.return_progress == Some(true),
+        ..Delivery::default()
     }
+}
+
+/// A count field in 0..=`max`.
+fn count_field(param: &str, n: i64, max: usize) -> Result<usize, ApiError> {
+    usize::try_from(n)
+        .ok()
+        .filter(|&n| n <= max)
+        .ok_or_else(|| {
+            ApiError::field(
+                param,
+                format!("{param} must be between 0 and {max}, got {n}"),
+            )
+        })
+}
+
+/// The grammar `response_format` asks for: none for `text`, any JSON object for `json_object`
+/// without a schema; a schema is refused until this server
+/// links llama.cpp's schema converter (README).
+fn response_format_grammar(v: &Value) -> Result<Option<(String, &'static str)>, ApiError> {
+    const PARAM: &str = "response_format";
+    if v.is_null() {
+        return Ok(None);
+    }
+    let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| {
+        ApiError::field(
+            PARAM,
+            "response_format must be an object with a type: text, json_object or json_schema",
+        )
+    })?;
+    let schema = match kind {
+        "text" => return Ok(None),
+        "json_object" => v.get("schema"),
+        "json_schema" => v.get("json_schema").and_then(|j| j.get("schema")),
+        other => {
+            return Err(ApiError::field(
+                PARAM,
+                format!(
+                    "response_format type {other:?} is not one of text, json_object, json_schema"
+                ),
+            ))
+        }
+    };
+    match schema {
+        None => Ok(Some((h2o_llama::grammars::JSON_OBJECT.to_string(), PARAM))),
+        Some(_) => Err(schema_unsupported(PARAM)),
+    }
+}
+
+fn schema_unsupported(param: &str) -> ApiError {
+    ApiError::field(
+        param,
+        format!(
+            "{param}: JSON schemas are not supported yet by this server (llama.cpp's \
+             schema-to-grammar converter is not linked): send a GBNF grammar in `grammar`, or \
+             response_format {{\"type\": \"json_object\"}} without a schema"
+        ),
+    )
 }
 
 fn check_n(n: Option<i64>) -> Result<(), ApiError> {
@@ -232,6 +406,35 @@ fn check_n(n: Option<i64>) -> Result<(), ApiError> {
             format!("n = {n} is not supported: this server returns one choice per request (n = 1)"),
         )),
     }
+}
+
+/// A conversation's messages, checked: at least one, each with a known role and text content,
+/// and at most one assistant message at the end (a prefill the reply continues).
+///
+/// # Errors
+/// A 400 naming the first bad message.
+pub fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::field(
+            "messages",
+            "messages is empty: send at least one message",
+        ));
+    }
+    let messages = messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| message(i, m))
+        .collect::<Result<Vec<_>, _>>()?;
+    if let [.., a, b] = messages.as_slice() {
+        if a.role == "assistant" && b.role == "assistant" {
+            return Err(ApiError::field(
+                "messages",
+                "the last two messages are both from the assistant: a final assistant message \
+                 is a prefill the reply continues, so only one may end the conversation",
+            ));
+        }
+    }
+    Ok(messages)
 }
 
 /// One chat message, with `developer` read as `system` (OpenAI's newer name for it).
@@ -292,37 +495,90 @@ fn message(i: usize, m: ChatMessageIn) -> Result<ChatMessage, ApiError> {
     Ok(ChatMessage::new(role, content))
 }
 
-/// The prompt of the completion endpoints: a string, or an array with one string in it.
-fn prompt_text(v: &Value) -> Result<String, ApiError> {
-    let text = match v {
-        Value::String(s) => s.clone(),
-        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-            items[0].as_str().unwrap_or_default().to_string()
-        }
-        Value::Array(items) if items.len() > 1 => {
-            return Err(ApiError::field(
-                "prompt",
-                format!("prompt holds {} prompts: send one per request", items.len()),
-            ))
-        }
-        Value::Null => return Err(ApiError::field("prompt", "missing field `prompt`")),
-        other => {
-            return Err(ApiError::field(
-                "prompt",
-                format!("prompt must be a string, not {}", json_kind(other)),
-            ))
-        }
-    };
-    // the engine would find no tokens either; saying so here costs no slot
-    if text.is_empty() {
-        return Err(ApiError::field(
+/// The prompts of the completion endpoints, as llama-server reads them: a string; an array of
+/// token ids and strings (one prompt, the strings tokenized in place); or an array of those
+/// (one prompt each, answered in order).
+fn prompts(v: &Value, info: &EngineInfo) -> Result<Vec<Prompt>, ApiError> {
+    match v {
+        Value::Array(items) if items.is_empty() => Err(ApiError::field(
             "prompt",
             "the prompt is empty: send at least one token of text",
-        )
-        .with_code("empty_prompt"));
+        )),
+        Value::Array(items)
+            if items.iter().any(Value::is_array)
+                || (items.len() > 1 && items.iter().all(Value::is_string)) =>
+        {
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, p)| one_prompt(p, &format!("prompt[{i}]"), info))
+                .collect()
+        }
+        other => Ok(vec![one_prompt(other, "prompt", info)?]),
     }
-    check_nul("prompt", &text)?;
-    Ok(text)
+}
+
+/// One prompt: a string, or an array of token ids and strings.
+fn one_prompt(v: &Value, param: &str, info: &EngineInfo) -> Result<Prompt, ApiError> {
+    let empty = || {
+        ApiError::field(
+            param,
+            format!("{param} is empty: send at least one token of text"),
+        )
+    };
+    match v {
+        Value::String(s) if s.is_empty() => Err(empty()),
+        Value::String(s) => {
+            check_nul(param, s)?;
+            Ok(Prompt::Text(s.clone()))
+        }
+        // an array with one string is the string (OpenAI's batch of one)
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            one_prompt(&items[0], param, info)
+        }
+        Value::Array(items) if items.is_empty() => Err(empty()),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .map(|(j, item)| match item {
+                Value::String(s) => {
+                    check_nul(param, s)?;
+                    Ok(PromptPiece::Text(s.clone()))
+                }
+                Value::Number(n) => n
+                    .as_i64()
+                    .and_then(|t| h2o_llama::Token::try_from(t).ok())
+                    .filter(|&t| usize::try_from(t).is_ok_and(|t| t < info.n_vocab))
+                    .map(PromptPiece::Token)
+                    .ok_or_else(|| {
+                        ApiError::field(
+                            param,
+                            format!(
+                                "{param}[{j}] = {n} is not a token of this model's vocabulary \
+                                 (0..{})",
+                                info.n_vocab
+                            ),
+                        )
+                    }),
+                other => Err(ApiError::field(
+                    param,
+                    format!(
+                        "{param}[{j}] must be a token id or a string, not {}",
+                        json_kind(other)
+                    ),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Prompt::Tokens),
+        Value::Null => Err(ApiError::field("prompt", "missing field `prompt`")),
+        other => Err(ApiError::field(
+            param,
+            format!(
+                "{param} must be a string or an array of token ids and strings, not {}",
+                json_kind(other)
+            ),
+        )),
+    }
 }
 
 /// llama.cpp's tokenizer takes C strings: a NUL would cut the text short without a word.
@@ -367,23 +623,32 @@ fn max_tokens(
     }
 }
 
-fn sampling(c: &Common, max_tokens: u32) -> Result<Sampling, ApiError> {
-    // OpenAI's default temperature and top_p are 1
-    let temperature = c.temperature.unwrap_or(1.0);
+fn sampling(c: &Common, max_tokens: u32, info: &EngineInfo) -> Result<Sampling, ApiError> {
+    let defaults = &info.defaults;
+    let temperature = c.temperature.unwrap_or(defaults.temperature);
     if !(0.0..=MAX_TEMPERATURE).contains(&temperature) {
         return Err(ApiError::field(
             "temperature",
             format!("temperature must be between 0 and {MAX_TEMPERATURE} (0 = greedy), got {temperature}"),
         ));
     }
-    let top_p = c.top_p.unwrap_or(1.0);
+    let top_p = c.top_p.unwrap_or(defaults.top_p);
     if !(0.0..=1.0).contains(&top_p) {
         return Err(ApiError::field(
             "top_p",
             format!("top_p must be between 0 and 1, got {top_p}"),
         ));
     }
-    let seed = match c.seed {
+    let top_k = match c.top_k {
+        None => defaults.top_k,
+        Some(k) => i32::try_from(k).ok().filter(|&k| k >= 0).ok_or_else(|| {
+            ApiError::field(
+                "top_k",
+                format!("top_k must be at least 0 (0: off), got {k}"),
+            )
+        })?,
+    };
+    let seed = match c.seed.or(Some(defaults.seed)) {
         None | Some(-1) => random_u64() as u32,
         Some(s) => u32::try_from(s).map_err(|_| {
             ApiError::field(
@@ -395,13 +660,97 @@ fn sampling(c: &Common, max_tokens: u32) -> Result<Sampling, ApiError> {
             )
         })?,
     };
+    let grammar = match (&c.grammar, c.json_schema.is_null()) {
+        (Some(_), false) => {
+            return Err(ApiError::field(
+                "json_schema",
+                "grammar and json_schema both constrain the answer: send one",
+            ))
+        }
+        (Some(g), true) => {
+            check_nul("grammar", g)?;
+            Some((g.clone(), "grammar"))
+        }
+        (None, false) => return Err(schema_unsupported("json_schema")),
+        (None, true) => None,
+    };
     Ok(Sampling {
         max_tokens,
         temperature: temperature as f32,
+        top_k,
         top_p: top_p as f32,
         seed,
         stop: stop_strings(&c.stop)?,
+        logit_bias: logit_bias(&c.logit_bias, info)?,
+        grammar,
+        probs: None,
     })
+}
+
+/// `logit_bias`: OpenAI's `{"TOKEN_ID": bias}`, or llama-server's `[[TOKEN_ID, bias], …]`,
+/// where a bias of `false` bans the token. Ids outside the vocabulary are refused (a typo would
+/// otherwise bias nothing, silently).
+fn logit_bias(v: &Value, info: &EngineInfo) -> Result<Vec<(h2o_llama::Token, f32)>, ApiError> {
+    const PARAM: &str = "logit_bias";
+    let token = |key: &str, raw: &Value| -> Result<h2o_llama::Token, ApiError> {
+        raw.as_i64()
+            .or_else(|| raw.as_str().and_then(|s| s.trim().parse().ok()))
+            .and_then(|t| h2o_llama::Token::try_from(t).ok())
+            .filter(|&t| usize::try_from(t).is_ok_and(|t| t < info.n_vocab))
+            .ok_or_else(|| {
+                ApiError::field(
+                    PARAM,
+                    format!(
+                        "logit_bias{key} names token {raw}, which is not in this model's \
+                         vocabulary (ids 0..{}): use /tokenize to find a text's ids",
+                        info.n_vocab
+                    ),
+                )
+            })
+    };
+    let bias = |key: &str, raw: &Value| -> Result<f32, ApiError> {
+        match raw {
+            Value::Bool(false) => Ok(f32::NEG_INFINITY),
+            Value::Number(n) if n.as_f64().is_some_and(f64::is_finite) => {
+                Ok(n.as_f64().unwrap_or_default() as f32)
+            }
+            other => Err(ApiError::field(
+                PARAM,
+                format!("logit_bias{key} must be a number or false, not {other}"),
+            )),
+        }
+    };
+    match v {
+        Value::Null => Ok(Vec::new()),
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, b)| {
+                let key = format!("[{k:?}]");
+                Ok((token(&key, &Value::String(k.clone()))?, bias(&key, b)?))
+            })
+            .collect(),
+        Value::Array(pairs) => pairs
+            .iter()
+            .enumerate()
+            .map(|(i, pair)| match pair.as_array().map(Vec::as_slice) {
+                Some([t, b]) => {
+                    let key = format!("[{i}]");
+                    Ok((token(&key, t)?, bias(&key, b)?))
+                }
+                _ => Err(ApiError::field(
+                    PARAM,
+                    format!("logit_bias[{i}] must be a pair [token_id, bias]"),
+                )),
+            })
+            .collect(),
+        other => Err(ApiError::field(
+            PARAM,
+            format!(
+                "logit_bias must be an object {{\"token_id\": bias}} or an array of pairs, not {}",
+                json_kind(other)
+            ),
+        )),
+    }
 }
 
 fn stop_strings(v: &Value) -> Result<Vec<String>, ApiError> {
@@ -538,156 +887,6 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-// ---- responses -------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    pub total_tokens: usize,
-}
-
-impl Usage {
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
-        }
-    }
-}
-
-/// Fields every OpenAI response and chunk starts with.
-#[derive(Debug, Clone, Serialize)]
-pub struct Head {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-}
-
-impl Head {
-    pub fn new(id_prefix: &str, object: &'static str, info: &EngineInfo) -> Self {
-        Self {
-            id: new_id(id_prefix),
-            object,
-            created: unix_now(),
-            model: info.model_id.clone(),
-        }
-    }
-}
-
-#[derive(Debug, Serialize)]
-pub struct ChatCompletion {
-    #[serde(flatten)]
-    pub head: Head,
-    pub choices: [ChatChoice; 1],
-    pub usage: Usage,
-    /// llama-server's extra field: the engine's timings of this request.
-    pub timings: JobTimings,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ChatChoice {
-    pub index: u32,
-    pub message: AssistantMessage,
-    pub finish_reason: &'static str,
-    pub logprobs: Option<()>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct AssistantMessage {
-    pub role: &'static str,
-    pub content: String,
-}
-
-#[derive(Debug, Serialize)]
-pub struct TextCompletion {
-    #[serde(flatten)]
-    pub head: Head,
-    pub choices: [TextChoice; 1],
-    pub usage: Usage,
-    pub timings: JobTimings,
-}
-
-#[derive(Debug, Serialize)]
-pub struct TextChoice {
-    pub index: u32,
-    pub text: String,
-    pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<()>,
-}
-
-/// One `chat.completion.chunk`.
-#[derive(Debug, Serialize)]
-pub struct ChatChunk<'a> {
-    #[serde(flatten)]
-    pub head: &'a Head,
-    pub choices: Vec<ChunkChoice<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub timings: Option<&'a JobTimings>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ChunkChoice<'a> {
-    pub index: u32,
-    pub delta: Delta<'a>,
-    pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<()>,
-}
-
-#[derive(Debug, Default, Serialize)]
-pub struct Delta<'a> {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub role: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<&'a str>,
-}
-
-/// One streamed `text_completion` chunk.
-#[derive(Debug, Serialize)]
-pub struct TextChunk<'a> {
-    #[serde(flatten)]
-    pub head: &'a Head,
-    pub choices: Vec<TextChunkChoice<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub timings: Option<&'a JobTimings>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct TextChunkChoice<'a> {
-    pub index: u32,
-    pub text: &'a str,
-    pub finish_reason: Option<&'static str>,
-    pub logprobs: Option<()>,
-}
-
-/// llama-server's `/completion` answer (and the last event of its stream).
-#[derive(Debug, Serialize)]
-pub struct LlamaCompletion<'a> {
-    pub content: &'a str,
-    pub stop: bool,
-    pub model: &'a str,
-    pub tokens_predicted: usize,
-    pub tokens_evaluated: usize,
-    pub tokens_cached: usize,
-    /// `eos` (end of generation or a stop string: see the engine's `FinishReason::Stop`) or
-    /// `limit` (`n_predict` or a full slot).
-    pub stop_type: &'static str,
-    pub timings: &'a JobTimings,
-}
-
-/// One streamed piece of `/completion`.
-#[derive(Debug, Serialize)]
-pub struct LlamaChunk<'a> {
-    pub content: &'a str,
-    pub stop: bool,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -701,6 +900,9 @@ mod tests {
             flash_attn: h2o_llama::FlashAttention::Off,
             h2o: h2o.then(|| h2o_llama::H2oConfig::new(16, 16)),
             created: 0,
+            n_vocab: 256,
+            aliases: Vec::new(),
+            defaults: crate::engine::RequestDefaults::default(),
         }
     }
 
@@ -746,15 +948,17 @@ mod tests {
     }
 
     #[test]
-    fn defaults_fill_a_slot_with_random_sampling() {
+    fn defaults_are_the_servers_and_fill_a_slot() {
         let (job, d) = chat(
             serde_json::json!({"messages": [{"role": "user", "content": "x"}]}),
             false,
         )
         .unwrap();
         assert_eq!(job.sampling.max_tokens, 512);
-        assert_eq!(job.sampling.temperature, 1.0);
-        assert_eq!(job.sampling.top_p, 1.0);
+        // llama-server's defaults (RequestDefaults::default)
+        assert_eq!(job.sampling.temperature, 0.8);
+        assert_eq!(job.sampling.top_k, 40);
+        assert_eq!(job.sampling.top_p, 0.95);
         assert!(job.sampling.stop.is_empty());
         assert!(!d.stream && !d.include_usage);
     }
@@ -873,24 +1077,64 @@ mod tests {
     }
 
     #[test]
-    fn completion_prompts_are_one_non_empty_string() {
+    fn completion_prompts_are_text_token_ids_or_several_of_them() {
         let info = info(false);
-        let job = |body: Value| -> Result<(Job, Delivery), ApiError> {
-            parse::<CompletionRequest>(&body).into_job(&info)
+        let jobs = |body: Value| -> Result<Vec<Job>, ApiError> {
+            parse::<CompletionRequest>(&body)
+                .into_job(&info)
+                .map(|(jobs, _)| jobs)
         };
-        assert!(job(serde_json::json!({"prompt": "a"})).is_ok());
-        assert!(job(serde_json::json!({"prompt": ["a"]})).is_ok());
-        for body in [
-            serde_json::json!({"prompt": ""}),
-            serde_json::json!({"prompt": ["a", "b"]}),
-            serde_json::json!({"prompt": 1}),
-            serde_json::json!({"prompt": null}),
-            serde_json::json!({"prompt": [1, 2, 3]}),
+        assert!(
+            matches!(&jobs(serde_json::json!({"prompt": "a"})).unwrap()[..], [Job { prompt: Prompt::Text(t), .. }] if t == "a")
+        );
+        assert_eq!(jobs(serde_json::json!({"prompt": ["a"]})).unwrap().len(), 1);
+        assert_eq!(
+            jobs(serde_json::json!({"prompt": ["a", "b"]}))
+                .unwrap()
+                .len(),
+            2
+        );
+        assert_eq!(
+            jobs(serde_json::json!({"prompt": [[1, 2], "b"]}))
+                .unwrap()
+                .len(),
+            2
+        );
+        let mixed = jobs(serde_json::json!({"prompt": [1, "x", 2]})).unwrap();
+        let [Job {
+            prompt: Prompt::Tokens(pieces),
+            ..
+        }] = &mixed[..]
+        else {
+            panic!("one prompt of tokens and text: {mixed:?}")
+        };
+        assert_eq!(
+            pieces,
+            &vec![
+                PromptPiece::Token(1),
+                PromptPiece::Text("x".into()),
+                PromptPiece::Token(2)
+            ]
+        );
+        for (body, param) in [
+            (serde_json::json!({"prompt": ""}), "prompt"),
+            (serde_json::json!({"prompt": []}), "prompt"),
+            (serde_json::json!({"prompt": 1}), "prompt"),
+            (serde_json::json!({"prompt": null}), "prompt"),
+            (serde_json::json!({"prompt": [1, 256]}), "prompt"),
+            (serde_json::json!({"prompt": [1, -1]}), "prompt"),
+            (serde_json::json!({"prompt": [1, {}]}), "prompt"),
+            (serde_json::json!({"prompt": [[1], ""]}), "prompt[1]"),
         ] {
-            assert_eq!(param_of(job(body.clone())), "prompt", "{body}");
+            let e = jobs(body.clone()).expect_err("should be refused");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
         }
+        let e = jobs(serde_json::json!({"prompt": ["a", "b"], "stream": true})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
         let llama = |body: Value| -> Result<(Job, Delivery), ApiError> {
-            parse::<LlamaCompletionRequest>(&body).into_job(&info)
+            parse::<LlamaCompletionRequest>(&body)
+                .into_job(&info)
+                .map(|(mut jobs, d)| (jobs.remove(0), d))
         };
         assert_eq!(
             llama(serde_json::json!({"prompt": "a", "n_predict": -1}))

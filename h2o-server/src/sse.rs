@@ -1,24 +1,27 @@
 //! Streamed answers as server-sent events, in the three shapes clients expect:
 //! OpenAI's `chat.completion.chunk` and `text_completion` chunks ending with `data: [DONE]`, and
 //! llama-server's `/completion` pieces ending with a `stop: true` event that holds the timings.
+//! The shapes themselves are `response`'s.
 //!
 //! The event stream owns the job's receiver: when the client goes away, hyper drops the body,
 //! the receiver goes with it, and the engine cancels the job at its next step.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use h2o_llama::{Token, TokenLogprobs};
+use serde_json::Value;
 
-use crate::engine::Event;
+use crate::engine::{EngineInfo, Event};
 use crate::error::{engine_gone, job_error, ApiError};
-use crate::http::{llama_final, log_line, LoggedByStream, Output, Run};
-use crate::openai::{
-    ChatChunk, ChunkChoice, Delta, Head, LlamaChunk, TextChunk, TextChunkChoice, Usage,
-};
+use crate::log::{log_line, LoggedByStream};
+use crate::response::{self, Head, LlamaShape, Output, Spell};
+use crate::run::Run;
 
 /// Comments (`:`) every so often while nothing else is sent (a long prefill): they keep proxies
 /// from closing an idle connection, and a write to a vanished client is how hyper notices it
@@ -26,101 +29,89 @@ use crate::openai::{
 const KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 pub enum Format {
-    Chat { head: Head, include_usage: bool },
-    Text { head: Head, include_usage: bool },
-    Llama { model: String },
+    Chat {
+        head: Head,
+        include_usage: bool,
+        logprobs: bool,
+    },
+    Text {
+        head: Head,
+        include_usage: bool,
+        logprobs: bool,
+    },
+    Llama {
+        shape: LlamaShape,
+        /// The answer's `generation_settings`.
+        settings: Value,
+        info: EngineInfo,
+    },
 }
 
 impl Format {
-    fn json(value: &impl serde::Serialize) -> SseEvent {
+    fn json(value: &Value) -> SseEvent {
         // serde_json escapes control characters, so the data never holds a raw newline
-        SseEvent::default().data(serde_json::to_string(value).unwrap_or_default())
+        SseEvent::default().data(value.to_string())
     }
 
     /// What goes out before the first token.
     fn opening(&self) -> Option<SseEvent> {
         match self {
-            // OpenAI's first chunk names the role, with empty content
-            Format::Chat { head, .. } => Some(Self::json(&ChatChunk {
+            // llama-server's first chunk names the role, with null content
+            Format::Chat { head, .. } => Some(Self::json(&response::chat_chunk(
                 head,
-                choices: vec![ChunkChoice {
-                    index: 0,
-                    delta: Delta {
-                        role: Some("assistant"),
-                        content: Some(""),
-                    },
-                    finish_reason: None,
-                    logprobs: None,
-                }],
-                usage: None,
-                timings: None,
-            })),
+                true,
+                Some(None),
+                None,
+                None,
+            ))),
             Format::Text { .. } | Format::Llama { .. } => None,
         }
     }
 
-    fn piece(&self, text: &str) -> SseEvent {
+    fn piece(
+        &self,
+        text: &str,
+        tokens: &[Token],
+        probs: &[TokenLogprobs],
+        spell: &dyn Spell,
+        slot: Option<u32>,
+        offset: usize,
+    ) -> SseEvent {
         match self {
-            Format::Chat { head, .. } => Self::json(&ChatChunk {
+            Format::Chat { head, logprobs, .. } => Self::json(&response::chat_chunk(
                 head,
-                choices: vec![ChunkChoice {
-                    index: 0,
-                    delta: Delta {
-                        role: None,
-                        content: Some(text),
-                    },
-                    finish_reason: None,
-                    logprobs: None,
-                }],
-                usage: None,
-                timings: None,
-            }),
-            Format::Text { head, .. } => Self::json(&TextChunk {
+                false,
+                Some(Some(text)),
+                None,
+                logprobs.then(|| response::prob_list(spell, probs, false)),
+            )),
+            Format::Text { head, logprobs, .. } => Self::json(&response::text_chunk(
                 head,
-                choices: vec![TextChunkChoice {
-                    index: 0,
-                    text,
-                    finish_reason: None,
-                    logprobs: None,
-                }],
-                usage: None,
-                timings: None,
-            }),
-            Format::Llama { .. } => Self::json(&LlamaChunk {
-                content: text,
-                stop: false,
-            }),
+                text,
+                None,
+                logprobs.then(|| response::legacy_logprobs(spell, probs, offset)),
+            )),
+            Format::Llama { shape, .. } => Self::json(&response::llama_chunk(
+                text, tokens, probs, shape, spell, slot,
+            )),
         }
     }
 
-    /// The closing events: the finish reason (with our timings), OpenAI's usage chunk when the
+    /// The closing events: the finish reason, OpenAI's usage chunk (with our timings) when the
     /// client asked for it, and `[DONE]`.
-    fn finish(&self, out: &Output) -> Vec<SseEvent> {
-        let usage = Usage::new(out.prompt_tokens, out.completion_tokens);
-        let reason = out.finish.as_str();
+    fn finish(&self, out: &Output, spell: &dyn Spell, prompt_text: &str) -> Vec<SseEvent> {
+        let reason = out.finish_reason();
         match self {
             Format::Chat {
                 head,
                 include_usage,
+                ..
             } => {
-                let mut events = vec![Self::json(&ChatChunk {
-                    head,
-                    choices: vec![ChunkChoice {
-                        index: 0,
-                        delta: Delta::default(),
-                        finish_reason: Some(reason),
-                        logprobs: None,
-                    }],
-                    usage: None,
-                    timings: Some(&out.timings),
-                })];
+                let mut chunk = response::chat_chunk(head, false, None, Some(reason), None);
+                chunk["timings"] = serde_json::json!(out.timings);
+                let mut events = vec![Self::json(&chunk)];
                 if *include_usage {
-                    events.push(Self::json(&ChatChunk {
-                        head,
-                        choices: vec![],
-                        usage: Some(usage),
-                        timings: None,
-                    }));
+                    events.push(Self::json(&response::usage_chunk(head, out)));
                 }
                 events.push(SseEvent::default().data("[DONE]"));
                 events
@@ -128,31 +119,37 @@ impl Format {
             Format::Text {
                 head,
                 include_usage,
+                ..
             } => {
-                let mut events = vec![Self::json(&TextChunk {
-                    head,
-                    choices: vec![TextChunkChoice {
-                        index: 0,
-                        text: "",
-                        finish_reason: Some(reason),
-                        logprobs: None,
-                    }],
-                    usage: None,
-                    timings: Some(&out.timings),
-                })];
+                let mut chunk = response::text_chunk(head, "", Some(reason), None);
+                chunk["timings"] = serde_json::json!(out.timings);
+                let mut events = vec![Self::json(&chunk)];
                 if *include_usage {
-                    events.push(Self::json(&TextChunk {
-                        head,
-                        choices: vec![],
-                        usage: Some(usage),
-                        timings: None,
-                    }));
+                    events.push(Self::json(&response::usage_chunk(head, out)));
                 }
                 events.push(SseEvent::default().data("[DONE]"));
                 events
             }
             // llama-server ends its stream with this event, without [DONE]
-            Format::Llama { model } => vec![Self::json(&llama_final("", model, out))],
+            Format::Llama {
+                shape,
+                settings,
+                info,
+            } => {
+                let shape = LlamaShape {
+                    probs: false,
+                    ..shape.clone()
+                };
+                vec![Self::json(&response::llama_final(
+                    "",
+                    out,
+                    settings,
+                    info,
+                    &shape,
+                    spell,
+                    prompt_text,
+                ))]
+            }
         }
     }
 }
@@ -168,8 +165,13 @@ enum Ending {
 struct StreamState {
     run: Run,
     format: Format,
+    spell: Arc<dyn Spell + Send + Sync>,
+    /// `return_progress`: `prompt_progress` events for the `/completion` stream.
+    progress: bool,
     queue: VecDeque<SseEvent>,
     ending: Ending,
+    /// What has gone out so far, for the closing event's counts and the text offsets.
+    out: Output,
 }
 
 impl Drop for StreamState {
@@ -200,11 +202,39 @@ impl StreamState {
                 return None;
             }
             match self.run.next().await {
-                Some(Event::Started { .. }) => {}
-                Some(Event::Token { text, .. }) => {
-                    if !text.is_empty() {
-                        self.queue.push_back(self.format.piece(&text));
+                Some(Event::Started { slot, prompt, .. }) => {
+                    self.out.slot = Some(slot);
+                    self.out.prompt = prompt;
+                }
+                Some(Event::Progress {
+                    total,
+                    cache,
+                    processed,
+                    time_ms,
+                }) => {
+                    if self.progress {
+                        let chunk = response::progress_chunk(total, cache, processed, time_ms);
+                        self.queue.push_back(Format::json(&chunk));
                     }
+                }
+                Some(Event::Token {
+                    text,
+                    tokens,
+                    probs,
+                }) => {
+                    if !text.is_empty() {
+                        let event = self.format.piece(
+                            &text,
+                            &tokens,
+                            &probs,
+                            self.spell.as_ref(),
+                            self.out.slot,
+                            self.out.text.len(),
+                        );
+                        self.queue.push_back(event);
+                    }
+                    self.out.text.push_str(&text);
+                    self.out.tokens.extend(tokens);
                 }
                 Some(Event::Done {
                     finish,
@@ -212,14 +242,15 @@ impl StreamState {
                     prompt_tokens,
                     timings,
                 }) => {
-                    let out = Output {
-                        text: String::new(),
-                        finish,
-                        prompt_tokens,
-                        completion_tokens,
-                        timings,
-                    };
-                    self.queue.extend(self.format.finish(&out));
+                    self.out.finish = Some(finish);
+                    self.out.prompt_tokens = prompt_tokens;
+                    self.out.completion_tokens = completion_tokens;
+                    self.out.timings = timings;
+                    let prompt_text = prompt_text(self.spell.as_ref(), &self.out.prompt);
+                    let events = self
+                        .format
+                        .finish(&self.out, self.spell.as_ref(), &prompt_text);
+                    self.queue.extend(events);
                     self.ending = Ending::Done;
                 }
                 // OpenAI clients raise an error for a data event holding {"error": …}; no [DONE]
@@ -237,13 +268,27 @@ impl StreamState {
     }
 }
 
+/// The prompt's text, special tokens included (llama-server's `prompt` field).
+pub fn prompt_text(spell: &dyn Spell, prompt: &[Token]) -> String {
+    let bytes: Vec<u8> = prompt.iter().flat_map(|&t| spell.bytes(t)).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 /// The streamed response of `run`.
-pub fn respond(run: Run, format: Format) -> Response {
+pub fn respond(
+    run: Run,
+    format: Format,
+    spell: Arc<dyn Spell + Send + Sync>,
+    progress: bool,
+) -> Response {
     let mut state = StreamState {
         run,
         format,
+        spell,
+        progress,
         queue: VecDeque::new(),
         ending: Ending::Running,
+        out: Output::default(),
     };
     if let Some(e) = state.format.opening() {
         state.queue.push_back(e);

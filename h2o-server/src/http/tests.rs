@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::*;
-use crate::engine::{JobError, Prompt};
+use crate::engine::{FinishReason, JobError, JobTimings, Prompt};
 
 /// Scripted by the prompt text: "too long" fails at once with `PromptTooLong`; "engine error"
 /// starts, sends one token and fails with `Engine`; "slow" sends a token every 20 ms (forever,
@@ -41,6 +41,9 @@ impl Fake {
                 flash_attn: h2o_llama::FlashAttention::Off,
                 h2o: Some(h2o_llama::H2oConfig::new(16, 16)),
                 created: 1_700_000_000,
+                n_vocab: 256,
+                aliases: Vec::new(),
+                defaults: crate::engine::RequestDefaults::default(),
             },
             metrics: Arc::new(Metrics::default()),
             capacity,
@@ -51,9 +54,27 @@ impl Fake {
     }
 }
 
+/// A piece of text as the engine sends it, one byte a token (the fake's vocabulary).
+fn token_event(text: &str) -> Event {
+    Event::Token {
+        text: text.into(),
+        tokens: text.bytes().map(h2o_llama::Token::from).collect(),
+        probs: Vec::new(),
+    }
+}
+
 fn prompt_text(job: &Job) -> String {
     match &job.prompt {
         Prompt::Text(t) => t.clone(),
+        Prompt::Tokens(pieces) => pieces
+            .iter()
+            .map(|p| match p {
+                crate::engine::PromptPiece::Token(t) => {
+                    char::from(u8::try_from(*t).unwrap_or(b'?')).to_string()
+                }
+                crate::engine::PromptPiece::Text(t) => t.clone(),
+            })
+            .collect(),
         Prompt::Chat(m) => m
             .iter()
             .map(|m| m.content.as_str())
@@ -63,6 +84,25 @@ fn prompt_text(job: &Job) -> String {
 }
 
 impl Engine for Fake {
+    fn slots(&self) -> Vec<SlotView> {
+        let busy = self.active.load(Ordering::SeqCst);
+        (0..self.info.n_parallel)
+            .map(|id| SlotView {
+                id,
+                is_processing: (id as usize) < busy,
+                n_ctx: self.info.n_ctx_slot,
+                ..SlotView::default()
+            })
+            .collect()
+    }
+
+    fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
+        Ok(messages
+            .iter()
+            .map(|m| format!("<{}>{}", m.role, m.content))
+            .collect())
+    }
+
     fn submit(&self, job: Job) -> Result<UnboundedReceiver<Event>, SubmitError> {
         if self.active.load(Ordering::SeqCst) >= self.capacity {
             return Err(SubmitError::QueueFull {
@@ -102,9 +142,10 @@ impl Engine for Fake {
                 let _ = tx.send(Event::Started {
                     slot: 0,
                     prompt_tokens,
+                    prompt: text.bytes().map(h2o_llama::Token::from).collect(),
                 });
                 if text.contains("engine error") {
-                    let _ = tx.send(Event::Token { text: "Hel".into() });
+                    let _ = tx.send(token_event("Hel"));
                     let _ = tx.send(Event::Failed(JobError::Engine(
                         "the GPU caught fire".into(),
                     )));
@@ -112,12 +153,7 @@ impl Engine for Fake {
                 }
                 if text.contains("slow") {
                     loop {
-                        if tx
-                            .send(Event::Token {
-                                text: "tick ".into(),
-                            })
-                            .is_err()
-                        {
+                        if tx.send(token_event("tick ")).is_err() {
                             return false;
                         }
                         tokio::select! {
@@ -129,7 +165,7 @@ impl Engine for Fake {
                 let pieces = ["Hello", " world", "!"];
                 let n = pieces.len().min(job.sampling.max_tokens as usize);
                 for p in &pieces[..n] {
-                    let _ = tx.send(Event::Token { text: (*p).into() });
+                    let _ = tx.send(token_event(p));
                 }
                 let finish = if n < pieces.len() {
                     FinishReason::Length
@@ -200,8 +236,7 @@ async fn serve(capacity: usize, api_key: Option<&str>, max_body: usize) -> TestS
     let fake = Arc::new(Fake::new(capacity));
     let state = Arc::new(AppState::new(
         fake.clone(),
-        api_key.map(String::from),
-        max_body,
+        Options::new(api_key.map(String::from), max_body),
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -274,9 +309,10 @@ fn assert_error(status: StatusCode, body: &Value, want: StatusCode, kind: &str) 
         e["message"].as_str().is_some_and(|m| !m.is_empty()),
         "{body}"
     );
-    assert!(
-        e.get("param").is_some() && e.get("code").is_some(),
-        "{body}"
+    assert_eq!(
+        e["code"],
+        want.as_u16(),
+        "llama-server's code: the status; {body}"
     );
 }
 
@@ -610,7 +646,7 @@ async fn every_bad_request_is_an_openai_error_object() {
             chat,
             json!({"messages": user("too long")}).to_string().into(),
             400,
-            "invalid_request_error",
+            "exceed_context_size_error",
             Some("messages"),
         ),
         (
@@ -656,7 +692,7 @@ async fn every_bad_request_is_an_openai_error_object() {
             "/completion",
             json!({"prompt": "too long"}).to_string().into(),
             400,
-            "invalid_request_error",
+            "exceed_context_size_error",
             Some("prompt"),
         ),
         (
@@ -687,7 +723,11 @@ async fn every_bad_request_is_an_openai_error_object() {
     let (_, v) = s
         .post_json(chat, &json!({"messages": user("too long")}))
         .await;
-    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    assert_eq!(
+        v["error"]["n_prompt_tokens"], 9999,
+        "llama-server's fields: {v}"
+    );
+    assert_eq!(v["error"]["n_ctx"], 512, "{v}");
     let r = s
         .client
         .get(format!("{}{chat}", s.base))
@@ -758,7 +798,7 @@ async fn a_full_queue_is_a_503_with_retry_after() {
         "never Retry-After: 0"
     );
     let v: Value = r.json().await.unwrap();
-    assert_eq!(v["error"]["code"], "queue_full");
+    assert_eq!(v["error"]["type"], "unavailable_error");
     let metrics = s
         .client
         .get(format!("{}/metrics", s.base))
@@ -815,7 +855,7 @@ async fn a_client_leaving_a_non_streamed_request_cancels_its_job() {
 }
 
 #[tokio::test]
-async fn an_api_key_guards_everything_but_health() {
+async fn an_api_key_guards_everything_but_health_and_the_model_list() {
     let s = serve(8, Some("sesame"), 1 << 20).await;
     let chat = format!("{}/v1/chat/completions", s.base);
     let body = json!({"messages": user("x")}).to_string();
@@ -828,6 +868,10 @@ async fn an_api_key_guards_everything_but_health() {
         let mut req = s.client.post(&chat).body(body.clone());
         if let Some(a) = auth {
             req = req.header(header::AUTHORIZATION, a);
+        }
+        // llama-server's other header, with a wrong key
+        if auth == Some("sesame") {
+            req = req.header("x-api-key", "sesam");
         }
         let r = req.send().await.unwrap();
         let status = r.status();
@@ -852,11 +896,22 @@ async fn an_api_key_guards_everything_but_health() {
     assert_eq!(r.status(), 200);
     let r = s
         .client
-        .get(format!("{}/health", s.base))
+        .post(&chat)
+        .header("x-api-key", "sesame")
+        .body(json!({"messages": user("x")}).to_string())
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 200);
+    assert_eq!(r.status(), 200, "X-Api-Key, as llama-server takes it");
+    for public in ["/health", "/v1/models", "/models", "/"] {
+        let r = s
+            .client
+            .get(format!("{}{public}", s.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{public} is public, as in llama-server");
+    }
 }
 
 #[tokio::test]

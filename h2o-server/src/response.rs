@@ -1,0 +1,374 @@
+//! The one home of the answers' shapes: OpenAI's `chat.completion` and `text_completion` (whole
+//! and as stream chunks) and llama-server's `/completion` objects, built from what a job
+//! produced. `http` sends them whole, `sse` as events; neither builds JSON of its own.
+
+use h2o_llama::{Token, TokenLogprobs};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::engine::{EngineInfo, FinishReason, JobTimings, Sampling};
+use crate::openai::{new_id, unix_now};
+
+/// llama-server's `system_fingerprint`: `b` and the build, here the pinned llama.cpp package's
+/// version with this server's.
+pub fn system_fingerprint() -> String {
+    format!(
+        "b{}-h2o-server-{}",
+        h2o_llama::UPSTREAM_VERSION,
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// What a finished job produced.
+#[derive(Debug, Clone, Default)]
+pub struct Output {
+    pub text: String,
+    pub tokens: Vec<Token>,
+    pub probs: Vec<TokenLogprobs>,
+    /// The prompt's tokens, as evaluated.
+    pub prompt: Vec<Token>,
+    pub finish: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub timings: JobTimings,
+    pub slot: Option<u32>,
+}
+
+impl Output {
+    pub fn finish_reason(&self) -> &'static str {
+        self.finish.map_or("stop", FinishReason::as_str)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// Fields every OpenAI response and chunk starts with.
+#[derive(Debug, Clone, Serialize)]
+pub struct Head {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub system_fingerprint: String,
+}
+
+impl Head {
+    pub fn new(id_prefix: &str, object: &'static str, info: &EngineInfo) -> Self {
+        Self {
+            id: new_id(id_prefix),
+            object,
+            created: unix_now(),
+            model: info.model_id.clone(),
+            system_fingerprint: system_fingerprint(),
+        }
+    }
+}
+
+/// How a token is spelled in the log-probability lists.
+pub trait Spell {
+    fn bytes(&self, token: Token) -> Vec<u8>;
+}
+
+/// One token's entry: OpenAI's `{token, logprob, bytes}` with llama-server's `id`; or, for
+/// `post_sampling_probs`, `prob` in place of `logprob`.
+fn prob_entry(spell: &dyn Spell, token: Token, logprob: f32, linear: bool) -> Value {
+    let bytes = spell.bytes(token);
+    let mut e = json!({
+        "id": token,
+        "token": String::from_utf8_lossy(&bytes),
+        "bytes": bytes,
+    });
+    if linear {
+        e["prob"] = f64::from(logprob).exp().into();
+    } else {
+        e["logprob"] = logprob.into();
+    }
+    e
+}
+
+/// The `content` list of OpenAI's chat `logprobs`, and llama-server's
+/// `completion_probabilities`: each token with its likeliest alternatives.
+pub fn prob_list(spell: &dyn Spell, probs: &[TokenLogprobs], linear: bool) -> Vec<Value> {
+    let top_key = if linear { "top_probs" } else { "top_logprobs" };
+    probs
+        .iter()
+        .map(|p| {
+            let mut e = prob_entry(spell, p.token, p.logprob, linear);
+            e[top_key] = p
+                .top
+                .iter()
+                .map(|&(t, lp)| prob_entry(spell, t, lp, linear))
+                .collect::<Vec<_>>()
+                .into();
+            e
+        })
+        .collect()
+}
+
+/// OpenAI's legacy `text_completion` `logprobs`: parallel lists of tokens, their
+/// log-probabilities, their alternatives as `{token: logprob}`, and their offsets in the text.
+pub fn legacy_logprobs(spell: &dyn Spell, probs: &[TokenLogprobs], offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(probs.len());
+    let mut at = offset;
+    let mut tokens = Vec::with_capacity(probs.len());
+    for p in probs {
+        let piece = String::from_utf8_lossy(&spell.bytes(p.token)).into_owned();
+        text_offset.push(at);
+        at += piece.len();
+        tokens.push(piece);
+    }
+    json!({
+        "tokens": tokens,
+        "token_logprobs": probs.iter().map(|p| p.logprob).collect::<Vec<_>>(),
+        "top_logprobs": probs.iter().map(|p| {
+            p.top.iter().map(|&(t, lp)| {
+                (String::from_utf8_lossy(&spell.bytes(t)).into_owned(), Value::from(lp))
+            }).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
+}
+
+/// llama-server's `generation_settings` (and `/props`' `default_generation_settings.params`).
+pub fn generation_settings(sampling: &Sampling, info: &EngineInfo) -> Value {
+    json!({
+        "n_predict": sampling.max_tokens,
+        "seed": sampling.seed,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "stop": sampling.stop,
+        "n_probs": sampling.probs.unwrap_or(0),
+        "grammar": sampling.grammar.as_ref().map_or("", |(g, _)| g.as_str()),
+        "logit_bias": sampling.logit_bias.iter().map(|&(t, b)| json!([t, if b.is_finite() { Value::from(b) } else { Value::Bool(false) }])).collect::<Vec<_>>(),
+        "n_ctx": info.n_ctx_slot,
+        "model": info.model_id,
+        "h2o": info.h2o,
+    })
+}
+
+/// llama-server's `stop_type` for a finish reason.
+pub fn stop_type(finish: Option<FinishReason>) -> &'static str {
+    match finish {
+        Some(FinishReason::Stop) => "eos",
+        Some(FinishReason::StopWord) => "word",
+        Some(FinishReason::Length) => "limit",
+        None => "none",
+    }
+}
+
+/// What a `/completion` request asked of its answer's shape.
+#[derive(Debug, Clone, Default)]
+pub struct LlamaShape {
+    pub probs: bool,
+    pub probs_linear: bool,
+    pub return_tokens: bool,
+    pub response_fields: Option<Vec<String>>,
+}
+
+/// llama-server's `/completion` answer, and the last event of its stream (`content` empty
+/// there: the pieces carried it).
+pub fn llama_final(
+    content: &str,
+    out: &Output,
+    settings: &Value,
+    info: &EngineInfo,
+    shape: &LlamaShape,
+    spell: &dyn Spell,
+    prompt_text: &str,
+) -> Value {
+    let mut v = json!({
+        "index": 0,
+        "content": content,
+        "tokens": if shape.return_tokens { out.tokens.clone() } else { Vec::new() },
+        "id_slot": out.slot.map_or(-1, i64::from),
+        "stop": true,
+        "model": info.model_id,
+        "tokens_predicted": out.completion_tokens,
+        "tokens_evaluated": out.prompt_tokens,
+        "generation_settings": settings,
+        "prompt": prompt_text,
+        "has_new_line": out.text.contains('\n'),
+        "truncated": false,
+        "stop_type": stop_type(out.finish),
+        "stopping_word": "",
+        "tokens_cached": out.timings.cache_n,
+        "timings": out.timings,
+    });
+    if shape.probs {
+        v["completion_probabilities"] = prob_list(spell, &out.probs, shape.probs_linear).into();
+    }
+    match &shape.response_fields {
+        Some(fields) if !fields.is_empty() => pick_fields(&v, fields),
+        _ => v,
+    }
+}
+
+/// llama-server's `response_fields`: only these, each found by its `/`-separated path and
+/// keyed by the path itself; a path that leads nowhere is left out.
+fn pick_fields(v: &Value, fields: &[String]) -> Value {
+    let mut out = serde_json::Map::new();
+    for f in fields {
+        let found = f.split('/').try_fold(v, |node, key| node.get(key));
+        if let Some(found) = found {
+            out.insert(f.clone(), found.clone());
+        }
+    }
+    Value::Object(out)
+}
+
+/// One streamed piece of `/completion`.
+pub fn llama_chunk(
+    text: &str,
+    tokens: &[Token],
+    probs: &[TokenLogprobs],
+    shape: &LlamaShape,
+    spell: &dyn Spell,
+    slot: Option<u32>,
+) -> Value {
+    let mut v = json!({
+        "index": 0,
+        "content": text,
+        "tokens": tokens,
+        "stop": false,
+        "id_slot": slot.map_or(-1, i64::from),
+    });
+    if shape.probs {
+        v["completion_probabilities"] = prob_list(spell, probs, shape.probs_linear).into();
+    }
+    v
+}
+
+/// llama-server's `prompt_progress` event of a stream (`return_progress`).
+pub fn progress_chunk(total: usize, cache: usize, processed: usize, time_ms: f64) -> Value {
+    json!({
+        "index": 0,
+        "content": "",
+        "tokens": [],
+        "stop": false,
+        "prompt_progress": {
+            "total": total,
+            "cache": cache,
+            "processed": processed,
+            "time_ms": time_ms,
+        },
+    })
+}
+
+/// A whole `chat.completion`.
+pub fn chat_completion(head: &Head, out: &Output, logprobs: Option<Vec<Value>>) -> Value {
+    json!({
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": head.system_fingerprint,
+        "choices": [{
+            "index": 0,
+            "message": { "role": "assistant", "content": out.text },
+            "finish_reason": out.finish_reason(),
+            "logprobs": logprobs.map(|c| json!({ "content": c })),
+        }],
+        "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
+        "timings": out.timings,
+    })
+}
+
+/// A whole `text_completion`, one choice per prompt.
+pub fn text_completion(head: &Head, outs: &[(Output, Option<Value>)]) -> Value {
+    let prompt_tokens = outs.iter().map(|(o, _)| o.prompt_tokens).sum();
+    let completion_tokens = outs.iter().map(|(o, _)| o.completion_tokens).sum();
+    json!({
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": head.system_fingerprint,
+        "choices": outs.iter().enumerate().map(|(i, (o, logprobs))| json!({
+            "index": i,
+            "text": o.text,
+            "finish_reason": o.finish_reason(),
+            "logprobs": logprobs,
+        })).collect::<Vec<_>>(),
+        "usage": Usage::new(prompt_tokens, completion_tokens),
+        "timings": outs.last().map(|(o, _)| &o.timings),
+    })
+}
+
+/// One `chat.completion.chunk`. `delta_content`: `Some(None)` sends `"content": null` (the
+/// first chunk, as llama-server), `None` leaves the key out (the finishing chunk).
+pub fn chat_chunk(
+    head: &Head,
+    role: bool,
+    delta_content: Option<Option<&str>>,
+    finish: Option<&str>,
+    logprobs: Option<Vec<Value>>,
+) -> Value {
+    let mut delta = serde_json::Map::new();
+    if role {
+        delta.insert("role".into(), "assistant".into());
+    }
+    if let Some(c) = delta_content {
+        delta.insert("content".into(), c.map_or(Value::Null, Value::from));
+    }
+    json!({
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": head.system_fingerprint,
+        "choices": [{
+            "index": 0,
+            "delta": delta,
+            "finish_reason": finish,
+            "logprobs": logprobs.map(|c| json!({ "content": c })),
+        }],
+    })
+}
+
+/// One streamed `text_completion` chunk.
+pub fn text_chunk(head: &Head, text: &str, finish: Option<&str>, logprobs: Option<Value>) -> Value {
+    json!({
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": head.system_fingerprint,
+        "choices": [{
+            "index": 0,
+            "text": text,
+            "finish_reason": finish,
+            "logprobs": logprobs,
+        }],
+    })
+}
+
+/// The chunk with `usage` (and llama-server's `timings`) and no choices, OpenAI's last before
+/// `[DONE]` when `stream_options.include_usage` asked for it.
+pub fn usage_chunk(head: &Head, out: &Output) -> Value {
+    json!({
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": head.system_fingerprint,
+        "choices": [],
+        "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
+        "timings": out.timings,
+    })
+}

@@ -1,0 +1,327 @@
+//! h2o-server as a drop-in for llama-server, end to end on the real model: what llama-server's
+//! clients send beyond OpenAI's basics (`logit_bias`, grammars, `response_format`, log-probs,
+//! token prompts, `/slots`, `/apply-template`, `return_progress`, CORS) does what it does there.
+
+use std::time::Duration;
+
+use h2o_llama::{
+    FlashAttention, H2oConfig, Model, ModelParams, ParallelSession, SessionConfig, TokenLogprobs,
+};
+use serde_json::{json, Value};
+
+mod common;
+use common::*;
+
+/// The first greedy token of a chat, and its id.
+fn first_token(server: &Server, body: &Value) -> (String, i64) {
+    let mut body = body.clone();
+    body["n_probs"] = 1.into();
+    body["n_predict"] = 1.into();
+    body["temperature"] = 0.into();
+    let (status, v) = post(server, "/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    let p = &v["completion_probabilities"][0];
+    (
+        p["token"].as_str().unwrap().to_string(),
+        p["id"].as_i64().unwrap(),
+    )
+}
+
+#[test]
+fn logit_bias_grammar_and_json_output_change_what_is_sampled() {
+    let server = Server::start(SHAPE);
+    let prompt = json!({"prompt": "The capital of France is"});
+    let (_, banned) = first_token(&server, &prompt);
+    // OpenAI's object form and llama-server's pair form, each banning the greedy first token
+    for bias in [
+        json!({ banned.to_string(): -100 }),
+        json!([[banned, false]]),
+    ] {
+        let mut body = prompt.clone();
+        body["logit_bias"] = bias.clone();
+        let (_, id) = first_token(&server, &body);
+        assert_ne!(
+            id, banned,
+            "logit_bias {bias} left the greedy token {banned}"
+        );
+    }
+
+    let (status, v) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": user("Say anything."), "grammar": "root ::= \"a\"{5,5}", "max_tokens": 8}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "aaaaa", "{v}");
+
+    let (status, v) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": user("Describe a cat as JSON."), "temperature": 0,
+                "response_format": {"type": "json_object"}, "max_tokens": 12}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    if v["choices"][0]["finish_reason"] == "stop" {
+        let parsed: Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("json_object output does not parse ({e}): {text:?}"));
+        assert!(parsed.is_object(), "{text}");
+    } else {
+        // cut by max_tokens: still a JSON object's beginning
+        assert!(text.trim_start().starts_with('{'), "{text:?}");
+    }
+}
+
+#[test]
+fn logprobs_agree_with_the_models_logits() {
+    let server = Server::start(SHAPE);
+    let prompt = "Once upon a time";
+    let (status, v) = post(
+        &server,
+        "/completion",
+        &json!({"prompt": prompt, "n_predict": 3, "n_probs": 5, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let probs = v["completion_probabilities"].as_array().unwrap();
+    assert_eq!(probs.len(), 3, "{v}");
+    // the same prompt through the library, in a context shaped as the server's (4 slots of
+    // 1024, -ub 64, H2O 16 + 16, flash attention off as auto makes it with several slots)
+    let model = Model::load(model_path(), &ModelParams::default()).unwrap();
+    let config = SessionConfig {
+        n_ctx: 1024,
+        n_batch: 256,
+        n_ubatch: 64,
+        flash_attn: FlashAttention::Off,
+        h2o: Some(H2oConfig::new(16, 16)),
+        h2o_undo_log: true,
+        ..SessionConfig::default()
+    };
+    let mut session = ParallelSession::new(&model, config, 4).unwrap();
+    let tokens = model.tokenize(prompt, true, true).unwrap();
+    session.start_prompt(0, &tokens, None).unwrap();
+    session.prefill(0, &tokens, usize::MAX).unwrap();
+    let first = probs[0]["id"].as_i64().unwrap() as i32;
+    let want = TokenLogprobs::from_logits(session.logits(None).unwrap(), first, 5);
+    let got = probs[0]["logprob"].as_f64().unwrap();
+    assert!(
+        (got - f64::from(want.logprob)).abs() < 1e-3,
+        "server {got} vs the model's logits {}",
+        want.logprob
+    );
+    for (i, p) in probs.iter().enumerate() {
+        let top = p["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 5);
+        // greedy: the token is the likeliest, with the same log-probability
+        assert_eq!(top[0]["id"], p["id"], "token {i}: {p}");
+        assert_eq!(top[0]["logprob"], p["logprob"]);
+        let lp: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(
+            lp.windows(2).all(|w| w[0] >= w[1]) && lp[0] <= 0.0,
+            "{lp:?}"
+        );
+        assert!(lp.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-6);
+    }
+    for (i, (w, g)) in want
+        .top
+        .iter()
+        .zip(probs[0]["top_logprobs"].as_array().unwrap())
+        .enumerate()
+    {
+        assert_eq!(i64::from(w.0), g["id"].as_i64().unwrap(), "rank {i}");
+    }
+
+    // OpenAI's chat logprobs: the pieces spell the answer
+    let (status, v) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": user("Hi"), "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let spelled: String = content
+        .iter()
+        .map(|t| t["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        spelled,
+        v["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert!(content
+        .iter()
+        .all(|t| t["top_logprobs"].as_array().unwrap().len() == 2));
+}
+
+#[test]
+fn completion_takes_token_prompts_and_reports_llama_servers_fields() {
+    let server = Server::start(SHAPE);
+    let text = "I believe the meaning of life is";
+    let (_, t) = post(
+        &server,
+        "/tokenize",
+        &json!({"content": text, "add_special": true}),
+    );
+    let tokens = t["tokens"].clone();
+    let greedy = |prompt: Value| {
+        let (status, v) = post(
+            &server,
+            "/completion",
+            &json!({"prompt": prompt, "n_predict": 6, "temperature": 0, "return_tokens": true}),
+        );
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let by_text = greedy(json!(text));
+    let by_tokens = greedy(tokens.clone());
+    assert_eq!(by_text["content"], by_tokens["content"]);
+    assert_eq!(
+        by_tokens["tokens"].as_array().unwrap().len(),
+        6,
+        "{by_tokens}"
+    );
+    assert_eq!(by_text["generation_settings"]["n_predict"], 6);
+    assert_eq!(by_text["truncated"], false);
+    assert!(by_text["has_new_line"].is_boolean());
+    assert_eq!(by_text["stop_type"], "limit");
+    let both = greedy(json!([tokens, text]));
+    let both = both.as_array().expect("two prompts: an array of answers");
+    assert_eq!(both.len(), 2);
+    assert_eq!(both[0]["content"], both[1]["content"]);
+    assert_eq!(both[0]["content"], by_text["content"]);
+
+    // response_fields: only those, keyed by their paths
+    let (_, v) = post(
+        &server,
+        "/completion",
+        &json!({"prompt": text, "n_predict": 2, "response_fields": ["content", "generation_settings/n_predict"]}),
+    );
+    assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+    assert_eq!(v["generation_settings/n_predict"], 2);
+
+    // a stream: every piece has its tokens; progress events count the prompt's chunks
+    let long = format!("{}{text}", long_text(300));
+    let r = client()
+        .post(server.url("/completion"))
+        .json(&json!({"prompt": long, "n_predict": 4, "temperature": 0, "stream": true, "return_progress": true}))
+        .send()
+        .unwrap();
+    let (events, _) = read_sse(r, usize::MAX);
+    let events: Vec<Value> = events
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let progress: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e.get("prompt_progress"))
+        .collect();
+    assert!(
+        progress.len() >= 2,
+        "a prompt of several chunks reports each: {events:?}"
+    );
+    let processed: Vec<u64> = progress
+        .iter()
+        .map(|p| p["processed"].as_u64().unwrap())
+        .collect();
+    assert!(processed.windows(2).all(|w| w[0] < w[1]), "{processed:?}");
+    assert_eq!(
+        processed.last(),
+        progress.last().unwrap()["total"].as_u64().as_ref()
+    );
+    for e in events
+        .iter()
+        .filter(|e| e["stop"] == false && e.get("prompt_progress").is_none())
+    {
+        assert!(!e["tokens"].as_array().unwrap().is_empty(), "{e}");
+    }
+    assert_eq!(events.last().unwrap()["stop"], true);
+}
+
+#[test]
+fn slots_show_a_busy_slots_h2o_state_and_cors_and_templates_answer() {
+    let server = Server::start(SHAPE);
+    let slots = get_json(&server, "/slots");
+    assert_eq!(slots.as_array().unwrap().len(), 4);
+    assert!(slots
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|s| s["is_processing"] == false));
+
+    // a long stream holds its slot while /slots is read
+    let long = format!("{}Tell me more.", long_text(400));
+    let r = client()
+        .post(server.url("/v1/chat/completions"))
+        .json(&json!({"messages": user(&long), "max_tokens": 400, "stream": true, "temperature": 0.8, "seed": 1}))
+        .send()
+        .unwrap();
+    let (first, _rest) = read_sse(r, 2);
+    assert_eq!(first.len(), 2);
+    // the engine shows a step's end once the step is over: wait for the prompt's last chunk
+    let mut busy = Vec::new();
+    wait_until(
+        "/slots shows the prompt evaluated",
+        Duration::from_secs(300),
+        || {
+            busy = get_json(&server, "/slots")
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|s| s["is_processing"] == true)
+                .cloned()
+                .collect();
+            busy.len() == 1 && busy[0]["h2o"]["prompt_processed"] == busy[0]["h2o"]["prompt_tokens"]
+        },
+    );
+    let h2o = &busy[0]["h2o"];
+    assert_eq!(h2o["memory_size"], 32, "{h2o}");
+    assert!(
+        h2o["sparse_chunks"].as_u64().unwrap() > 0,
+        "a 400-token prompt in chunks of 64: {h2o}"
+    );
+    assert!(
+        busy[0]["next_token"]["n_decoded"].as_u64().unwrap() >= 1,
+        "{busy:?}"
+    );
+    drop(_rest);
+
+    // CORS: a browser's preflight, and the header on an answer
+    let r = client()
+        .request(reqwest::Method::OPTIONS, server.url("/v1/chat/completions"))
+        .header("Origin", "http://example.org")
+        .header("Access-Control-Request-Method", "POST")
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["access-control-allow-origin"],
+        "http://example.org"
+    );
+    let r = client().get(server.url("/health")).send().unwrap();
+    assert_eq!(r.headers()["access-control-allow-origin"], "*");
+
+    // /apply-template: the chat prompt, with a final assistant message as a prefill
+    let (status, v) = post(
+        &server,
+        "/apply-template",
+        &json!({"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Well,"}]}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let prompt = v["prompt"].as_str().unwrap();
+    assert!(
+        prompt.contains("Hi there") && prompt.ends_with("assistant\nWell,"),
+        "{prompt:?}"
+    );
+
+    // --no-slots: 501, llama-server's not_supported_error
+    let other = Server::start(&[SHAPE, &["--no-slots"]].concat());
+    let r = client().get(other.url("/slots")).send().unwrap();
+    assert_eq!(r.status(), 501);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["error"]["type"], "not_supported_error");
+    wait_until("the busy slot is freed", Duration::from_secs(300), || {
+        get_json(&server, "/slots")
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["is_processing"] == false)
+    });
+}
