@@ -11,7 +11,8 @@ use sha2::{Digest, Sha256};
 use crate::fail;
 use crate::version::write_if_changed;
 
-/// Headers whose content the committed bindings were generated from (relative to the tree).
+/// Headers whose content the committed bindings were generated from (relative to the tree); the
+/// patched flavour also has `PATCHED_HEADERS`.
 const BINDING_HEADERS: &[&str] = &[
     "include/llama.h",
     "ggml/include/ggml.h",
@@ -21,9 +22,17 @@ const BINDING_HEADERS: &[&str] = &[
     "ggml/include/ggml-alloc.h",
 ];
 
-fn headers_digest(tree: &Path) -> String {
+/// The C entry point of common/'s JSON schema converter (patch 0022).
+const PATCHED_HEADERS: &[&str] = &["common/json-schema-to-grammar-c.h"];
+
+fn headers(stock: bool) -> Vec<&'static str> {
+    let patched: &[&str] = if stock { &[] } else { PATCHED_HEADERS };
+    BINDING_HEADERS.iter().chain(patched).copied().collect()
+}
+
+fn headers_digest(tree: &Path, stock: bool) -> String {
     let mut h = Sha256::new();
-    for rel in BINDING_HEADERS {
+    for rel in headers(stock) {
         h.update(rel.as_bytes());
         h.update(fs::read(tree.join(rel)).unwrap_or_else(|e| fail(format!("read {rel}: {e}"))));
     }
@@ -31,14 +40,14 @@ fn headers_digest(tree: &Path) -> String {
 }
 
 pub fn provide_bindings(manifest_dir: &Path, tree: &Path, out_dir: &Path, stock: bool) {
-    let digest = headers_digest(tree);
+    let digest = headers_digest(tree, stock);
     let flavour = if stock { "stock" } else { "h2o" };
     let committed = manifest_dir.join(format!("src/sys/bindings_{flavour}.rs"));
     let out = out_dir.join("bindings.rs");
 
     if cfg!(feature = "generate-bindings") {
         #[cfg(feature = "generate-bindings")]
-        write_if_changed(&out, &generate_bindings(tree, &digest));
+        write_if_changed(&out, &generate_bindings(tree, &digest, stock));
     } else {
         let text = fs::read_to_string(&committed).unwrap_or_else(|e| {
             fail(format!(
@@ -65,9 +74,13 @@ pub fn provide_bindings(manifest_dir: &Path, tree: &Path, out_dir: &Path, stock:
 }
 
 #[cfg(feature = "generate-bindings")]
-fn generate_bindings(tree: &Path, digest: &str) -> String {
-    let bindings = bindgen::Builder::default()
-        .header(tree.join("include/llama.h").to_string_lossy())
+fn generate_bindings(tree: &Path, digest: &str, stock: bool) -> String {
+    let mut builder =
+        bindgen::Builder::default().header(tree.join("include/llama.h").to_string_lossy());
+    for rel in headers(stock).iter().filter(|h| h.starts_with("common/")) {
+        builder = builder.header(tree.join(rel).to_string_lossy());
+    }
+    let bindings = builder
         .clang_arg(format!("-I{}", tree.join("ggml/include").display()))
         .clang_arg(format!("-I{}", tree.join("include").display()))
         .allowlist_function("llama_.*")
@@ -76,6 +89,7 @@ fn generate_bindings(tree: &Path, digest: &str) -> String {
         .allowlist_function("ggml_.*")
         .allowlist_type("ggml_.*")
         .allowlist_var("GGML_.*")
+        .allowlist_function("json_schema_to_grammar_c.*")
         .prepend_enum_name(false)
         .derive_default(true)
         .layout_tests(false)

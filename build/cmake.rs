@@ -63,6 +63,9 @@ pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
     for lib in ["llama", "ggml", "ggml-cpu", "ggml-cuda", "ggml-base"] {
         println!("cargo:rustc-link-lib=static={lib}");
     }
+    if env::var_os("CARGO_FEATURE_STOCK").is_none() {
+        build_schema_converter(tree);
+    }
     let cuda_root = env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
     println!("cargo:rustc-link-search=native={cuda_root}/lib64");
     println!("cargo:rustc-link-search=native={cuda_root}/lib64/stubs");
@@ -70,4 +73,35 @@ pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
     link_runtime(None);
+}
+
+/// llama-server's JSON schema converter from common/ (the CPU build's "common" units, see
+/// `engine::UNITS`), which upstream's CMake builds only with all of common/.
+fn build_schema_converter(tree: &Path) {
+    let common = tree.join("common");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .opt_level(3)
+        .files(
+            [
+                "json.cpp",
+                "json-schema.cpp",
+                "json-schema-to-grammar.cpp",
+                "json-schema-to-grammar-c.cpp",
+                "trie.cpp",
+                "unicode.cpp",
+            ]
+            .map(|f| common.join(f)),
+        )
+        .includes([
+            common.clone(),
+            tree.join("vendor"),
+            tree.join("include"),
+            tree.join("ggml/include"),
+        ])
+        .define("LLAMA_JSON_SCHEMA_TO_GRAMMAR_STANDALONE", None)
+        .define("NDEBUG", None)
+        .warnings(false)
+        .compile("h2o_llama_schema");
 }

@@ -120,7 +120,9 @@ fn compile_all(t: &Toolchain, units: &[Unit]) -> (Vec<(usize, PathBuf)>, usize) 
 /// One unit through the cache; its key name is its path in the tree (a unity file's: its name).
 fn compile_unit(t: &Toolchain, u: &Unit) -> Result<(PathBuf, bool), String> {
     let (tree, out_dir) = (t.tree, t.out_dir);
-    let (compiler, flags, id) = if u.cpp {
+    let (compiler, flags, id) = if u.headers == "common" {
+        (&t.cxx_compiler, &t.flags.cxx_common, &t.cxx_id)
+    } else if u.cpp {
         (&t.cxx_compiler, &t.flags.cxx, &t.cxx_id)
     } else {
         (&t.c_compiler, &t.flags.c, &t.c_id)

@@ -40,6 +40,8 @@ struct Group {
     sources: Sources,
     /// Which header set (by name in `header_digests`) the objects depend on.
     headers: &'static str,
+    /// Only in the patched tree (a file a patch adds): left out of the `stock` build.
+    patched_only: bool,
 }
 
 /// The engine's translation units, in compile (and archive) order.
@@ -62,6 +64,7 @@ const UNITS: &[Group] = &[
             "ggml-backend-reg.cpp",
         ]),
         headers: "ggml",
+        patched_only: false,
     },
     // ggml/src/ggml-cpu/CMakeLists.txt
     Group {
@@ -85,6 +88,7 @@ const UNITS: &[Group] = &[
             "llamafile/sgemm.cpp",
         ]),
         headers: "ggml",
+        patched_only: false,
     },
     // ggml-cpu's architecture-specific kernels
     Group {
@@ -92,12 +96,14 @@ const UNITS: &[Group] = &[
         arch: &["x86_64", "x86"],
         sources: Sources::Listed(&["arch/x86/quants.c", "arch/x86/repack.cpp"]),
         headers: "ggml",
+        patched_only: false,
     },
     Group {
         dir: "ggml/src/ggml-cpu",
         arch: &["aarch64", "arm"],
         sources: Sources::Listed(&["arch/arm/quants.c", "arch/arm/repack.cpp"]),
         headers: "ggml",
+        patched_only: false,
     },
     // src/CMakeLists.txt: llama
     Group {
@@ -105,6 +111,7 @@ const UNITS: &[Group] = &[
         arch: &[],
         sources: Sources::AllCpp,
         headers: "llama",
+        patched_only: false,
     },
     // Model builders: unity batches of 16, as upstream's CMake does (UNITY_BUILD_BATCH_SIZE 16);
     // compiling 150+ small files one by one costs minutes of header parsing.
@@ -113,6 +120,24 @@ const UNITS: &[Group] = &[
         arch: &[],
         sources: Sources::Unity(16),
         headers: "llama",
+        patched_only: false,
+    },
+    // common/: only llama-server's JSON schema converter, its JSON library and its C entry
+    // point (patch 0022), for the server's json_schema and response_format; the rest of
+    // common/ (sampling, chat, argument parsing) is not linked.
+    Group {
+        dir: "common",
+        arch: &[],
+        sources: Sources::Listed(&[
+            "json.cpp",
+            "json-schema.cpp",
+            "json-schema-to-grammar.cpp",
+            "json-schema-to-grammar-c.cpp",
+            "trie.cpp",
+            "unicode.cpp",
+        ]),
+        headers: "common",
+        patched_only: true,
     },
 ];
 
@@ -130,8 +155,9 @@ pub fn sorted_files(dir: &Path, ext: &str) -> Vec<PathBuf> {
 /// `<out_dir>/unity`.
 pub fn units(tree: &Path, out_dir: &Path, target_arch: &str) -> Vec<Unit> {
     let mut units: Vec<Unit> = Vec::new();
+    let stock = env::var_os("CARGO_FEATURE_STOCK").is_some();
     for g in UNITS {
-        if !g.arch.is_empty() && !g.arch.contains(&target_arch) {
+        if !g.arch.is_empty() && !g.arch.contains(&target_arch) || g.patched_only && stock {
             continue;
         }
         let dir = tree.join(g.dir);
@@ -190,6 +216,10 @@ fn unity_units(dir: &Path, batch: usize, headers: &'static str, out_dir: &Path) 
 pub struct Flags {
     pub c: Vec<String>,
     pub cxx: Vec<String>,
+    /// `cxx` for the units of common/ (header set "common"): its own and the vendored headers,
+    /// and the converter built without common.cpp. Kept apart so that the engine's other
+    /// objects keep their flags, and so their cached builds.
+    pub cxx_common: Vec<String>,
     /// `H2O_LLAMA_SANITIZE`: the `-fsanitize=` list, also needed when linking.
     pub sanitize: Option<String>,
 }
@@ -207,9 +237,20 @@ pub fn flags(tree: &Path, gen_dir: &Path, target_arch: &str) -> Flags {
         .into_iter()
         .chain(common.iter().cloned())
         .collect();
+    let cxx_common: Vec<String> = cxx_flags
+        .iter()
+        .cloned()
+        .chain([
+            format!("-I{}", tree.join("common").display()),
+            format!("-I{}", tree.join("vendor").display()),
+            // common.cpp is not linked: the converter's C entry point brings the helpers it uses
+            "-DLLAMA_JSON_SCHEMA_TO_GRAMMAR_STANDALONE".to_string(),
+        ])
+        .collect();
     Flags {
         c: c_flags,
         cxx: cxx_flags,
+        cxx_common,
         sanitize,
     }
 }

@@ -54,19 +54,33 @@ impl Default for SamplerConfig {
     }
 }
 
-/// A llama.cpp sampler chain; owns the `llama_sampler` and frees it on drop.
+/// A llama.cpp sampler chain, and a grammar sampler beside it; owns both `llama_sampler`s and
+/// frees them on drop.
+///
+/// The grammar is not a link of the chain: checking every token of a large vocabulary against
+/// it at each step costs far more than a small model's decode step. As llama.cpp's own
+/// `common_sampler`, the chain picks a token first and the grammar checks that one; only when
+/// it refuses does the grammar filter the whole vocabulary and the chain pick again.
 #[derive(Debug)]
 pub struct Sampler {
     ptr: NonNull<sys::llama_sampler>,
+    grammar: Option<NonNull<sys::llama_sampler>>,
+    /// The candidates of a step with a grammar (one per vocabulary token), reused.
+    candidates: Vec<sys::llama_token_data>,
 }
 
-// SAFETY: the chain is only used through &mut self.
+// SAFETY: the samplers are only used through &mut self.
 unsafe impl Send for Sampler {}
 
 impl Drop for Sampler {
     fn drop(&mut self) {
-        // SAFETY: owned pointer, freed once; the chain frees the samplers added to it.
-        unsafe { sys::llama_sampler_free(self.ptr.as_ptr()) }
+        // SAFETY: owned pointers, freed once; the chain frees the samplers added to it.
+        unsafe {
+            sys::llama_sampler_free(self.ptr.as_ptr());
+            if let Some(g) = self.grammar {
+                sys::llama_sampler_free(g.as_ptr());
+            }
+        }
     }
 }
 
@@ -87,9 +101,9 @@ impl Sampler {
         Self::build(config, None)
     }
 
-    /// Builds the chain `logit_bias → grammar → (greedy | top_k → top_p → temperature →
-    /// dist(seed))` for `model`'s vocabulary, as llama-server orders them: the bias and the
-    /// grammar decide which tokens can come before any of the others cut the candidates.
+    /// Builds the chain `logit_bias → (greedy | top_k → top_p → temperature → dist(seed))` for
+    /// `model`'s vocabulary, and the grammar's sampler beside it, as llama-server does: the
+    /// grammar decides which tokens can come before any of the chain's cuts.
     ///
     /// # Errors
     /// As [`Sampler::new`]; a biased token outside the vocabulary, a bias that is NaN, and a
@@ -136,7 +150,11 @@ impl Sampler {
             let chain = sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
             let chain = NonNull::new(chain)
                 .ok_or_else(|| Error::InvalidConfig("cannot create sampler".into()))?;
-            let this = Self { ptr: chain };
+            let mut this = Self {
+                ptr: chain,
+                grammar: None,
+                candidates: Vec::new(),
+            };
             if let (Some(model), false) = (model, config.logit_bias.is_empty()) {
                 let biases: Vec<sys::llama_logit_bias> = config
                     .logit_bias
@@ -160,13 +178,13 @@ impl Sampler {
                     grammar.as_ptr(),
                     c"root".as_ptr(),
                 );
-                if g.is_null() {
+                let Some(g) = NonNull::new(g) else {
                     return Err(Error::InvalidConfig(format!(
                         "the grammar cannot be parsed: {}",
                         crate::backend::recent_log_reason()
                     )));
-                }
-                sys::llama_sampler_chain_add(chain.as_ptr(), g);
+                };
+                this.grammar = Some(g);
             }
             if config.temperature <= 0.0 {
                 sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_greedy());
@@ -198,22 +216,98 @@ impl Sampler {
 
     /// Samples from the logits of the context's last output and accepts the token.
     pub(crate) fn sample(&mut self, ctx: *mut sys::llama_context) -> Token {
-        // SAFETY: ctx is a live context with logits for its last output (idx -1).
-        unsafe { sys::llama_sampler_sample(self.ptr.as_ptr(), ctx, -1) }
+        self.sample_at(ctx, -1)
     }
 
-    /// Samples from the logits of the context's output `idx` (its index in the last batch) and
-    /// accepts the token.
+    /// Samples from the logits of the context's output `idx` (its index in the last batch, -1
+    /// for the last) and accepts the token.
     pub(crate) fn sample_at(&mut self, ctx: *mut sys::llama_context, idx: i32) -> Token {
-        // SAFETY: ctx is a live context; llama.cpp checks idx against the last batch's outputs
-        // and aborts on a bad one, so callers pass indices of tokens that asked for logits.
-        unsafe { sys::llama_sampler_sample(self.ptr.as_ptr(), ctx, idx) }
+        let Some(grammar) = self.grammar else {
+            // SAFETY: ctx is a live context; llama.cpp checks idx against the last batch's
+            // outputs and aborts on a bad one, so callers pass indices of tokens that asked for
+            // logits.
+            return unsafe { sys::llama_sampler_sample(self.ptr.as_ptr(), ctx, idx) };
+        };
+        // SAFETY: as above; the logits row holds n_vocab values and lives until the next
+        // decode, which cannot run while this borrows the sampler.
+        unsafe {
+            let logits = sys::llama_get_logits_ith(ctx, idx);
+            let n_vocab =
+                sys::llama_vocab_n_tokens(sys::llama_model_get_vocab(sys::llama_get_model(ctx)));
+            let logits = std::slice::from_raw_parts(logits, n_vocab as usize);
+            let token = self.pick(logits, None);
+            // the grammar's verdict on this one token
+            let mut one = sys::llama_token_data {
+                id: token,
+                logit: 1.0,
+                p: 0.0,
+            };
+            let mut single = sys::llama_token_data_array {
+                data: &raw mut one,
+                size: 1,
+                selected: -1,
+                sorted: false,
+            };
+            sys::llama_sampler_apply(grammar.as_ptr(), &raw mut single);
+            let token = if one.logit.is_finite() {
+                token
+            } else {
+                self.pick(logits, Some(grammar))
+            };
+            sys::llama_sampler_accept(grammar.as_ptr(), token);
+            sys::llama_sampler_accept(self.ptr.as_ptr(), token);
+            token
+        }
+    }
+
+    /// The chain's pick from `logits`, after `grammar` removed what it forbids when given.
+    ///
+    /// # Safety
+    /// `grammar` is a live sampler.
+    unsafe fn pick(
+        &mut self,
+        logits: &[f32],
+        grammar: Option<NonNull<sys::llama_sampler>>,
+    ) -> Token {
+        self.candidates.clear();
+        self.candidates
+            .extend(
+                logits
+                    .iter()
+                    .enumerate()
+                    .map(|(id, &logit)| sys::llama_token_data {
+                        id: id as Token,
+                        logit,
+                        p: 0.0,
+                    }),
+            );
+        let mut array = sys::llama_token_data_array {
+            data: self.candidates.as_mut_ptr(),
+            size: self.candidates.len(),
+            selected: -1,
+            sorted: false,
+        };
+        // SAFETY: the array points into `candidates`, alive and unmoved for the calls; the
+        // samplers are live.
+        unsafe {
+            if let Some(g) = grammar {
+                sys::llama_sampler_apply(g.as_ptr(), &raw mut array);
+            }
+            sys::llama_sampler_apply(self.ptr.as_ptr(), &raw mut array);
+            let at = usize::try_from(array.selected).unwrap_or(0);
+            (*array.data.add(at)).id
+        }
     }
 
     /// Forgets accepted tokens and re-seeds, so that a new generation starts fresh.
     pub fn reset(&mut self) {
-        // SAFETY: valid chain.
-        unsafe { sys::llama_sampler_reset(self.ptr.as_ptr()) }
+        // SAFETY: valid samplers.
+        unsafe {
+            sys::llama_sampler_reset(self.ptr.as_ptr());
+            if let Some(g) = self.grammar {
+                sys::llama_sampler_reset(g.as_ptr());
+            }
+        }
     }
 }
 

@@ -157,7 +157,8 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/chat/completions", post(generate::chat))
         .route("/chat/completions", post(generate::chat))
         .route("/v1/completions", post(generate::completions))
-        .route("/completions", post(generate::completions))
+        // without /v1, llama-server's own shape, as /completion
+        .route("/completions", post(generate::llama_completion))
         .route("/completion", post(generate::llama_completion))
         .route("/v1/models", get(info::models))
         .route("/models", get(info::models))
@@ -205,7 +206,7 @@ async fn cors(req: Request, next: Next) -> Response {
     );
     h.insert(
         header::ACCESS_CONTROL_ALLOW_METHODS,
-        HeaderValue::from_static("GET, POST, OPTIONS"),
+        HeaderValue::from_static("GET, POST"),
     );
     h.insert(
         header::ACCESS_CONTROL_ALLOW_HEADERS,

@@ -156,6 +156,9 @@ struct Cli {
     /// [default: the model's file name]
     #[arg(short = 'a', long, value_name = "NAME")]
     alias: Option<String>,
+    /// Tags listed with the model in /v1/models, comma-separated
+    #[arg(long, value_name = "TAGS")]
+    tags: Option<String>,
     /// Default seed of requests that give none (-1: a random one per request)
     #[arg(short = 's', long, value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     seed: i64,
@@ -347,6 +350,14 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         chat_template: cli.chat_template.clone(),
         aliases: cli
             .alias
+            .iter()
+            .flat_map(|a| a.split(','))
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(str::to_string)
+            .collect(),
+        tags: cli
+            .tags
             .iter()
             .flat_map(|a| a.split(','))
             .map(str::trim)

@@ -18,10 +18,13 @@ pub fn render(m: &Metrics, info: &EngineInfo, rejected_queue_full: u64) -> Strin
     let rate = |n: u64, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
 
     let mut out = String::new();
+    let mut sample = |name: String, kind: &str, help: &str, value: String| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        let _ = writeln!(out, "{name} {value}");
+    };
     let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-        let _ = writeln!(out, "# HELP h2o_server_{name} {help}");
-        let _ = writeln!(out, "# TYPE h2o_server_{name} {kind}");
-        let _ = writeln!(out, "h2o_server_{name} {value}");
+        sample(format!("h2o_server_{name}"), kind, help, value);
     };
     let int = |v: u64| v.to_string();
     let float = |v: f64| format!("{v:.6}");
@@ -103,6 +106,75 @@ pub fn render(m: &Metrics, info: &EngineInfo, rejected_queue_full: u64) -> Strin
         "Requests waiting for a slot.",
         int(get(&m.queue_len)),
     );
+    // llama-server's names, for the dashboards and clients built on them
+    let cached = get(&m.prompt_tokens_cached_total);
+    let mut llama = |name: &str, kind: &str, help: &str, value: String| {
+        sample(format!("llamacpp:{name}"), kind, help, value);
+    };
+    llama(
+        "prompt_tokens_total",
+        "counter",
+        "Number of prompt tokens processed.",
+        int(prompt_tokens),
+    );
+    llama(
+        "prompt_seconds_total",
+        "counter",
+        "Prompt process time.",
+        float(prefill_s),
+    );
+    llama(
+        "tokens_predicted_total",
+        "counter",
+        "Number of generation tokens processed.",
+        int(generated_tokens),
+    );
+    llama(
+        "tokens_predicted_seconds_total",
+        "counter",
+        "Predict process time.",
+        float(decode_s),
+    );
+    llama(
+        "prompt_tokens_cache_total",
+        "counter",
+        "Prompt tokens reused from a slot's cache.",
+        int(cached),
+    );
+    llama(
+        "prompt_cache_hit_ratio",
+        "gauge",
+        "Share of prompt tokens reused from a slot's cache.",
+        float(if cached + prompt_tokens > 0 {
+            cached as f64 / (cached + prompt_tokens) as f64
+        } else {
+            0.0
+        }),
+    );
+    llama(
+        "prompt_tokens_seconds",
+        "gauge",
+        "Average prompt throughput in tokens/s.",
+        float(rate(prompt_tokens, prefill_s)),
+    );
+    llama(
+        "predicted_tokens_seconds",
+        "gauge",
+        "Average generation throughput in tokens/s.",
+        float(rate(generated_tokens, decode_s)),
+    );
+    llama(
+        "requests_processing",
+        "gauge",
+        "Number of requests processing.",
+        int(get(&m.slots_busy)),
+    );
+    llama(
+        "requests_deferred",
+        "gauge",
+        "Number of requests deferred.",
+        int(get(&m.queue_len)),
+    );
     out
 }
 
@@ -126,6 +198,8 @@ mod tests {
             created: 0,
             n_vocab: 256,
             aliases: Vec::new(),
+            tags: Vec::new(),
+            model_file: "m.gguf".into(),
             defaults: crate::engine::RequestDefaults::default(),
         };
         let text = render(&m, &info, 3);
@@ -133,7 +207,10 @@ mod tests {
         assert_eq!(lines.len() % 3, 0);
         for triple in lines.chunks(3) {
             let name = triple[2].split(' ').next().unwrap();
-            assert!(name.starts_with("h2o_server_"), "{name}");
+            assert!(
+                name.starts_with("h2o_server_") || name.starts_with("llamacpp:"),
+                "{name}"
+            );
             assert!(
                 triple[0].starts_with(&format!("# HELP {name} ")),
                 "{triple:?}"

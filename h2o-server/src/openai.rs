@@ -5,7 +5,7 @@
 //! Every check happens here, before the engine sees the job, so that a bad request costs no slot
 //! and gets a 400 naming the field. Fields this server does not implement (`frequency_penalty`,
 //! `user`, …) are ignored, as llama-server does, except those that would change the answer's
-//! shape (`n` > 1) or its content (`json_schema`, `tools`): those are refused.
+//! shape (`n` > 1) or its content (`tools`): those are refused.
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -140,6 +140,9 @@ pub struct Common {
     /// Send `prompt_progress` events while the prompt is evaluated (streams only).
     #[serde(default)]
     pub return_progress: Option<bool>,
+    /// Reuse the slot's cached prefix (default: yes).
+    #[serde(default)]
+    pub cache_prompt: Option<bool>,
     /// H2O overrides for this request (extensions of this server).
     #[serde(default)]
     pub h2o_select: Option<String>,
@@ -328,6 +331,7 @@ fn job(
         sampling: sampling(common, max_tokens, info)?,
         h2o: h2o_overrides(common, info)?,
         progress: false,
+        cache_prompt: common.cache_prompt.unwrap_or(true),
     })
 }
 
@@ -355,8 +359,7 @@ fn count_field(param: &str, n: i64, max: usize) -> Result<usize, ApiError> {
 }
 
 /// The grammar `response_format` asks for: none for `text`, any JSON object for `json_object`
-/// without a schema; a schema is refused until this server
-/// links llama.cpp's schema converter (README).
+/// without a schema, and the schema's grammar (llama.cpp's converter) with one.
 fn response_format_grammar(v: &Value) -> Result<Option<(String, &'static str)>, ApiError> {
     const PARAM: &str = "response_format";
     if v.is_null() {
@@ -383,19 +386,31 @@ fn response_format_grammar(v: &Value) -> Result<Option<(String, &'static str)>, 
     };
     match schema {
         None => Ok(Some((h2o_llama::grammars::JSON_OBJECT.to_string(), PARAM))),
-        Some(_) => Err(schema_unsupported(PARAM)),
+        Some(schema) => schema_grammar(schema, PARAM).map(Some),
     }
 }
 
-fn schema_unsupported(param: &str) -> ApiError {
-    ApiError::field(
-        param,
-        format!(
-            "{param}: JSON schemas are not supported yet by this server (llama.cpp's \
-             schema-to-grammar converter is not linked): send a GBNF grammar in `grammar`, or \
-             response_format {{\"type\": \"json_object\"}} without a schema"
-        ),
-    )
+/// A JSON schema's grammar, by llama.cpp's converter; a schema it cannot convert is a 400
+/// with its reason.
+fn schema_grammar(schema: &Value, param: &'static str) -> Result<(String, &'static str), ApiError> {
+    if !schema.is_object() {
+        return Err(ApiError::field(
+            param,
+            format!(
+                "{param}: a JSON schema is an object, not {}",
+                json_kind(schema)
+            ),
+        ));
+    }
+    h2o_llama::grammars::from_json_schema(&schema.to_string())
+        .map(|g| (g, param))
+        .map_err(|e| {
+            let message = match e {
+                h2o_llama::Error::InvalidConfig(m) => m,
+                other => other.to_string(),
+            };
+            ApiError::field(param, format!("{param}: {message}"))
+        })
 }
 
 fn check_n(n: Option<i64>) -> Result<(), ApiError> {
@@ -660,6 +675,7 @@ fn sampling(c: &Common, max_tokens: u32, info: &EngineInfo) -> Result<Sampling, 
             )
         })?,
     };
+    let bias = logit_bias(&c.logit_bias, info)?;
     let grammar = match (&c.grammar, c.json_schema.is_null()) {
         (Some(_), false) => {
             return Err(ApiError::field(
@@ -671,7 +687,7 @@ fn sampling(c: &Common, max_tokens: u32, info: &EngineInfo) -> Result<Sampling, 
             check_nul("grammar", g)?;
             Some((g.clone(), "grammar"))
         }
-        (None, false) => return Err(schema_unsupported("json_schema")),
+        (None, false) => Some(schema_grammar(&c.json_schema, "json_schema")?),
         (None, true) => None,
     };
     Ok(Sampling {
@@ -681,16 +697,20 @@ fn sampling(c: &Common, max_tokens: u32, info: &EngineInfo) -> Result<Sampling, 
         top_p: top_p as f32,
         seed,
         stop: stop_strings(&c.stop)?,
-        logit_bias: logit_bias(&c.logit_bias, info)?,
+        logit_bias: bias.0,
+        logit_bias_text: bias.1,
         grammar,
         probs: None,
     })
 }
 
-/// `logit_bias`: OpenAI's `{"TOKEN_ID": bias}`, or llama-server's `[[TOKEN_ID, bias], …]`,
-/// where a bias of `false` bans the token. Ids outside the vocabulary are refused (a typo would
-/// otherwise bias nothing, silently).
-fn logit_bias(v: &Value, info: &EngineInfo) -> Result<Vec<(h2o_llama::Token, f32)>, ApiError> {
+/// Biases by token id, and by text (each token of the text).
+type Biases = (Vec<(h2o_llama::Token, f32)>, Vec<(String, f32)>);
+
+/// `logit_bias`: OpenAI's `{"TOKEN_ID" or "text": bias}`, or llama-server's `[[TOKEN_ID or
+/// "text", bias], …]`, where a bias of `false` bans the token and a text biases each of its tokens. Ids
+/// outside the vocabulary are refused (a typo would otherwise bias nothing, silently).
+fn logit_bias(v: &Value, info: &EngineInfo) -> Result<Biases, ApiError> {
     const PARAM: &str = "logit_bias";
     let token = |key: &str, raw: &Value| -> Result<h2o_llama::Token, ApiError> {
         raw.as_i64()
@@ -720,37 +740,49 @@ fn logit_bias(v: &Value, info: &EngineInfo) -> Result<Vec<(h2o_llama::Token, f32
             )),
         }
     };
+    let mut by_id = Vec::new();
+    let mut by_text = Vec::new();
     match v {
-        Value::Null => Ok(Vec::new()),
-        Value::Object(map) => map
-            .iter()
-            .map(|(k, b)| {
+        Value::Null => {}
+        Value::Object(map) => {
+            for (k, b) in map {
                 let key = format!("[{k:?}]");
-                Ok((token(&key, &Value::String(k.clone()))?, bias(&key, b)?))
-            })
-            .collect(),
-        Value::Array(pairs) => pairs
-            .iter()
-            .enumerate()
-            .map(|(i, pair)| match pair.as_array().map(Vec::as_slice) {
-                Some([t, b]) => {
-                    let key = format!("[{i}]");
-                    Ok((token(&key, t)?, bias(&key, b)?))
+                // a key that is a number is a token id; any other, a text (llama-server's)
+                if k.trim().parse::<i64>().is_ok() {
+                    by_id.push((token(&key, &Value::String(k.clone()))?, bias(&key, b)?));
+                } else {
+                    check_nul(PARAM, k)?;
+                    by_text.push((k.clone(), bias(&key, b)?));
                 }
-                _ => Err(ApiError::field(
-                    PARAM,
-                    format!("logit_bias[{i}] must be a pair [token_id, bias]"),
-                )),
-            })
-            .collect(),
+            }
+        }
+        Value::Array(pairs) => {
+            for (i, pair) in pairs.iter().enumerate() {
+                let key = format!("[{i}]");
+                match pair.as_array().map(Vec::as_slice) {
+                    Some([Value::String(text), b]) => {
+                        check_nul(PARAM, text)?;
+                        by_text.push((text.clone(), bias(&key, b)?));
+                    }
+                    Some([t, b]) => by_id.push((token(&key, t)?, bias(&key, b)?)),
+                    _ => {
+                        return Err(ApiError::field(
+                            PARAM,
+                            format!("logit_bias[{i}] must be a pair [token_id or text, bias]"),
+                        ))
+                    }
+                }
+            }
+        }
         other => Err(ApiError::field(
             PARAM,
             format!(
                 "logit_bias must be an object {{\"token_id\": bias}} or an array of pairs, not {}",
                 json_kind(other)
             ),
-        )),
+        ))?,
     }
+    Ok((by_id, by_text))
 }
 
 fn stop_strings(v: &Value) -> Result<Vec<String>, ApiError> {
@@ -902,6 +934,8 @@ mod tests {
             created: 0,
             n_vocab: 256,
             aliases: Vec::new(),
+            tags: Vec::new(),
+            model_file: "m.gguf".into(),
             defaults: crate::engine::RequestDefaults::default(),
         }
     }

@@ -167,7 +167,7 @@ pub fn stop_type(finish: Option<FinishReason>) -> &'static str {
     match finish {
         Some(FinishReason::Stop) => "eos",
         Some(FinishReason::StopWord) => "word",
-        Some(FinishReason::Length) => "limit",
+        Some(FinishReason::Length | FinishReason::ContextFull) => "limit",
         None => "none",
     }
 }
@@ -204,7 +204,7 @@ pub fn llama_final(
         "generation_settings": settings,
         "prompt": prompt_text,
         "has_new_line": out.text.contains('\n'),
-        "truncated": false,
+        "truncated": out.finish == Some(FinishReason::ContextFull),
         "stop_type": stop_type(out.finish),
         "stopping_word": "",
         "tokens_cached": out.timings.cache_n,
@@ -254,19 +254,32 @@ pub fn llama_chunk(
     v
 }
 
-/// llama-server's `prompt_progress` event of a stream (`return_progress`).
+/// llama-server's `prompt_progress` object.
+pub fn prompt_progress(total: usize, cache: usize, processed: usize, time_ms: f64) -> Value {
+    json!({ "total": total, "cache": cache, "processed": processed, "time_ms": time_ms })
+}
+
+/// An OpenAI chunk with no choice that carries `prompt_progress` (`return_progress`).
+pub fn openai_progress_chunk(head: &Head, progress: Value) -> Value {
+    json!({
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": head.system_fingerprint,
+        "choices": [],
+        "prompt_progress": progress,
+    })
+}
+
+/// llama-server's `prompt_progress` event of a `/completion` stream (`return_progress`).
 pub fn progress_chunk(total: usize, cache: usize, processed: usize, time_ms: f64) -> Value {
     json!({
         "index": 0,
         "content": "",
         "tokens": [],
         "stop": false,
-        "prompt_progress": {
-            "total": total,
-            "cache": cache,
-            "processed": processed,
-            "time_ms": time_ms,
-        },
+        "prompt_progress": prompt_progress(total, cache, processed, time_ms),
     })
 }
 

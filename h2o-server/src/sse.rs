@@ -213,7 +213,17 @@ impl StreamState {
                     time_ms,
                 }) => {
                     if self.progress {
-                        let chunk = response::progress_chunk(total, cache, processed, time_ms);
+                        let chunk = match &self.format {
+                            Format::Chat { head, .. } | Format::Text { head, .. } => {
+                                response::openai_progress_chunk(
+                                    head,
+                                    response::prompt_progress(total, cache, processed, time_ms),
+                                )
+                            }
+                            Format::Llama { .. } => {
+                                response::progress_chunk(total, cache, processed, time_ms)
+                            }
+                        };
                         self.queue.push_back(Format::json(&chunk));
                     }
                 }

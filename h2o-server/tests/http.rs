@@ -636,6 +636,22 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
         ),
         (
             chat,
+            bytes(json!({"messages": ok_messages, "json_schema": {"type": "hiccup"}})),
+            400,
+            "invalid_request_error",
+            Some("json_schema"),
+        ),
+        (
+            chat,
+            bytes(
+                json!({"messages": ok_messages, "response_format": {"type": "json_object", "schema": 123}}),
+            ),
+            400,
+            "invalid_request_error",
+            Some("response_format"),
+        ),
+        (
+            chat,
             bytes(json!({"messages": ok_messages, "response_format": {"type": "sound"}})),
             400,
             "invalid_request_error",

@@ -31,11 +31,14 @@ fn first_token(server: &Server, body: &Value) -> (String, i64) {
 fn logit_bias_grammar_and_json_output_change_what_is_sampled() {
     let server = Server::start(SHAPE);
     let prompt = json!({"prompt": "The capital of France is"});
-    let (_, banned) = first_token(&server, &prompt);
-    // OpenAI's object form and llama-server's pair form, each banning the greedy first token
+    let (text, banned) = first_token(&server, &prompt);
+    // OpenAI's object form and llama-server's pair form, by id and by text, each banning the
+    // greedy first token
     for bias in [
         json!({ banned.to_string(): -100 }),
         json!([[banned, false]]),
+        json!({ text.clone(): -100 }),
+        json!([[text, false]]),
     ] {
         let mut body = prompt.clone();
         body["logit_bias"] = bias.clone();
@@ -54,11 +57,35 @@ fn logit_bias_grammar_and_json_output_change_what_is_sampled() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], "aaaaa", "{v}");
 
+    // a JSON schema, through llama.cpp's converter: the answer parses and follows it
+    let schema = json!({"type": "object", "required": ["name", "age"],
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}});
+    for body in [
+        json!({"json_schema": schema}),
+        json!({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}),
+    ] {
+        let mut body = body;
+        body["messages"] = user("Name a person, as JSON.");
+        body["temperature"] = 0.into();
+        body["max_tokens"] = 64.into();
+        let (status, v) = post(&server, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let person: Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("schema output does not parse ({e}): {text:?}"));
+        assert!(
+            person["name"].is_string() && person["age"].is_i64(),
+            "{person}"
+        );
+        assert_eq!(person.as_object().unwrap().len(), 2, "{person}");
+    }
+
     let (status, v) = post(
         &server,
         "/v1/chat/completions",
         &json!({"messages": user("Describe a cat as JSON."), "temperature": 0,
-                "response_format": {"type": "json_object"}, "max_tokens": 12}),
+                "response_format": {"type": "json_object"}, "max_tokens": 96}),
     );
     assert_eq!(status, 200, "{v}");
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();

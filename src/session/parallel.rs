@@ -131,8 +131,10 @@ impl<'m> ParallelSession<'m> {
             reason: backend::recent_log_reason(),
         })?;
         // SAFETY: valid context. llama.cpp pads each sequence's context to 256 cells and caps
-        // n_batch at n_ctx and n_ubatch at n_batch: use what is in effect.
-        let n_ctx_seq = unsafe { sys::llama_n_ctx_seq(ctx.as_ptr()) };
+        // n_batch at n_ctx and n_ubatch at n_batch: use what is in effect, but hold each
+        // sequence to the context it asked for (as llama-server's slots hold -c / -np); the
+        // padding cells stay unused.
+        let n_ctx_seq = unsafe { sys::llama_n_ctx_seq(ctx.as_ptr()) }.min(n_ctx_seq);
         (config.n_batch, config.n_ubatch) = unsafe {
             (
                 sys::llama_n_batch(ctx.as_ptr()),

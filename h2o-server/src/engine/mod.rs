@@ -33,6 +33,8 @@ pub struct EngineConfig {
     pub chat_template: Option<String>,
     /// `--alias`, split at commas.
     pub aliases: Vec<String>,
+    /// `--tags`, split at commas.
+    pub tags: Vec<String>,
     pub defaults: RequestDefaults,
 }
 
@@ -52,8 +54,13 @@ pub struct EngineInfo {
     pub n_vocab: usize,
     /// Unix seconds at start.
     pub created: u64,
-    /// `--alias`: the model's names, the first its id (empty: the file name is the id).
+    /// `--alias`: the model's names, the first in sorted order its id (as llama-server's);
+    /// empty: the file name is the id.
     pub aliases: Vec<String>,
+    /// `--tags`, listed with the model.
+    pub tags: Vec<String>,
+    /// The model's file name (`/props` `model_path`).
+    pub model_file: String,
     /// What a request that leaves a sampling field out gets (`--temp`, `--seed`, …).
     pub defaults: RequestDefaults,
 }
@@ -116,6 +123,9 @@ pub struct Sampling {
     pub stop: Vec<String>,
     /// Added to these tokens' logits (`logit_bias`); checked against the vocabulary.
     pub logit_bias: Vec<(Token, f32)>,
+    /// Added to the logits of every token of these texts (`logit_bias` keyed by text, as
+    /// llama-server takes it); tokenized by the engine.
+    pub logit_bias_text: Vec<(String, f32)>,
     /// GBNF every answer must follow (`grammar`, or made from `json_schema`/`response_format`),
     /// and the request field it came from, for the 400 when llama.cpp cannot parse it.
     pub grammar: Option<(String, &'static str)>,
@@ -140,6 +150,9 @@ pub struct Job {
     pub h2o: H2oOverrides,
     /// Send [`Event::Progress`] after each prompt call (llama-server's `return_progress`).
     pub progress: bool,
+    /// Reuse the slot's cached prefix (llama-server's `cache_prompt`, on by default); off, the
+    /// prompt is evaluated whole.
+    pub cache_prompt: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,9 +161,11 @@ pub enum FinishReason {
     Stop,
     /// One of the request's stop strings (OpenAI reports it as "stop").
     StopWord,
-    /// `max_tokens` reached, or the slot's context is full: a `max_tokens` beyond the room
-    /// left ends here, it is not an error.
+    /// `max_tokens` reached.
     Length,
+    /// The slot's context is full (llama-server's `truncated`): a `max_tokens` beyond the room
+    /// left ends here, it is not an error.
+    ContextFull,
 }
 
 impl FinishReason {
@@ -158,7 +173,7 @@ impl FinishReason {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Stop | Self::StopWord => "stop",
-            Self::Length => "length",
+            Self::Length | Self::ContextFull => "length",
         }
     }
 }
@@ -311,6 +326,8 @@ pub struct Metrics {
     pub generated_tokens_total: AtomicU64,
     /// Microseconds spent in prompt evaluation / decode steps.
     pub prefill_us_total: AtomicU64,
+    /// Prompt tokens reused from a slot's cache instead of evaluated.
+    pub prompt_tokens_cached_total: AtomicU64,
     pub decode_us_total: AtomicU64,
     pub slots_busy: AtomicU64,
     pub queue_len: AtomicU64,

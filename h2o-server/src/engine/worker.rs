@@ -180,14 +180,20 @@ fn run(
             return;
         }
     };
+    let model_file = config
+        .model_path
+        .file_name()
+        .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
     let info = EngineInfo {
-        model_id: config.aliases.first().cloned().unwrap_or_else(|| {
-            config
-                .model_path
-                .file_name()
-                .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
-        }),
+        model_id: config
+            .aliases
+            .iter()
+            .min()
+            .cloned()
+            .unwrap_or_else(|| model_file.clone()),
         aliases: config.aliases.clone(),
+        tags: config.tags.clone(),
+        model_file,
         defaults: config.defaults,
         n_parallel: config.n_parallel,
         n_ctx_slot: session.n_ctx_seq(),
@@ -419,6 +425,12 @@ impl<'m> Engine<'m> {
             };
             let slot = self.pick_slot(&prompt);
             let h2o = self.job_h2o(&pending.job);
+            if !pending.job.cache_prompt {
+                if let Err(e) = self.session.clear(slot as u32) {
+                    self.fail_unstarted(&tx, JobError::Engine(e.to_string()));
+                    continue;
+                }
+            }
             let kept = match self.session.start_prompt(slot as u32, &prompt, h2o) {
                 Ok(k) => k,
                 Err(h2o_llama::Error::PromptTooLong { n_ctx, .. }) => {
@@ -441,12 +453,28 @@ impl<'m> Engine<'m> {
                 }
             };
             let s = &pending.job.sampling;
+            let mut logit_bias = s.logit_bias.clone();
+            for (text, bias) in &s.logit_bias_text {
+                match self.session.model().tokenize(text, false, false) {
+                    Ok(tokens) => logit_bias.extend(tokens.into_iter().map(|t| (t, *bias))),
+                    Err(e) => {
+                        self.fail_unstarted(
+                            &tx,
+                            JobError::Sampling {
+                                param: "logit_bias",
+                                message: format!("logit_bias {text:?}: {e}"),
+                            },
+                        );
+                        continue;
+                    }
+                }
+            }
             let config = SamplerConfig {
                 temperature: s.temperature,
                 top_k: if s.temperature > 0.0 { s.top_k } else { 0 },
                 top_p: s.top_p,
                 seed: s.seed,
-                logit_bias: s.logit_bias.clone(),
+                logit_bias,
                 grammar: s.grammar.as_ref().map(|(g, _)| g.clone()),
             };
             let sampler = match Sampler::for_model(self.session.model(), &config) {
@@ -469,6 +497,16 @@ impl<'m> Engine<'m> {
                 prompt_tokens: prompt.len(),
                 prompt: prompt.clone(),
             });
+            Metrics::add(&self.metrics.prompt_tokens_cached_total, kept as u64);
+            if pending.job.progress {
+                // where the prompt starts: the reused prefix counts as processed
+                let _ = tx.send(Event::Progress {
+                    total: prompt.len(),
+                    cache: kept,
+                    processed: kept,
+                    time_ms: 0.0,
+                });
+            }
             self.metrics.slots_busy.fetch_add(1, Ordering::SeqCst);
             let h2o_before = self.session.h2o_state(slot as u32);
             self.slots[slot] = Some(Active {
@@ -572,9 +610,13 @@ impl<'m> Engine<'m> {
             .min()
             .map(|(_, s)| s);
         if let Some(slot) = next_prompt {
-            // one chunk while others wait for their next token; a whole call otherwise
+            // one chunk while others wait for their next token; a whole call otherwise, or one
+            // batch when its client follows the progress (llama-server reports each batch)
+            let config = self.session.config();
             let limit = if generating {
-                self.session.config().n_ubatch as usize
+                config.n_ubatch as usize
+            } else if self.slots[slot].as_ref().is_some_and(|a| a.job.progress) {
+                config.n_batch as usize
             } else {
                 usize::MAX
             };
@@ -744,7 +786,12 @@ impl<'m> Engine<'m> {
             let rest = std::mem::take(&mut a.held) + &String::from_utf8_lossy(&a.pending_bytes);
             a.pending_bytes.clear();
             send_text(a, rest);
-            return self.finish(slot, FinishReason::Length);
+            let finish = if limit_reached {
+                FinishReason::Length
+            } else {
+                FinishReason::ContextFull
+            };
+            return self.finish(slot, finish);
         }
         a.phase = Phase::Generating { next: token };
     }

@@ -42,7 +42,7 @@ pub async fn chat(
             include_usage: delivery.include_usage,
             logprobs: delivery.probs,
         };
-        return Ok(sse::respond(run, format, state.spell(), false));
+        return Ok(sse::respond(run, format, state.spell(), delivery.progress));
     }
     let (out, stats) = run.collect().await?;
     let logprobs = delivery
@@ -70,7 +70,7 @@ pub async fn completions(
             include_usage: delivery.include_usage,
             logprobs: delivery.probs,
         };
-        return Ok(sse::respond(run, format, state.spell(), false));
+        return Ok(sse::respond(run, format, state.spell(), delivery.progress));
     }
     let spell = state.spell();
     let (outs, stats) = run_all(&state, jobs, &request).await?;

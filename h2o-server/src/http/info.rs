@@ -23,6 +23,7 @@ pub async fn models(State(state): State<Shared>) -> Json<Value> {
         "data": [{
             "id": info.model_id,
             "aliases": info.aliases,
+            "tags": info.tags,
             "object": "model",
             "created": info.created,
             "owned_by": "h2o-llama",
@@ -61,6 +62,7 @@ fn default_sampling(state: &Shared) -> Sampling {
         seed: u32::try_from(d.seed).unwrap_or(u32::MAX),
         stop: Vec::new(),
         logit_bias: Vec::new(),
+        logit_bias_text: Vec::new(),
         grammar: None,
         probs: None,
     }
@@ -70,7 +72,7 @@ pub async fn props(State(state): State<Shared>) -> Json<Value> {
     let info = state.engine.info();
     let params = response::generation_settings(&default_sampling(&state), info);
     Json(json!({
-        "model_path": info.model_id,
+        "model_path": info.model_file,
         "model_alias": info.model_id,
         "total_slots": info.n_parallel,
         "default_generation_settings": {

@@ -43,6 +43,8 @@ impl Fake {
                 created: 1_700_000_000,
                 n_vocab: 256,
                 aliases: Vec::new(),
+                tags: Vec::new(),
+                model_file: "m.gguf".into(),
                 defaults: crate::engine::RequestDefaults::default(),
             },
             metrics: Arc::new(Metrics::default()),
