@@ -298,3 +298,47 @@ fn chunked_prompt_calls_among_generating_sequences_change_nothing() {
     }
     assert_eq!(got, alone(&prompt, h)[..N_PREDICT.min(got.len())]);
 }
+
+#[test]
+fn a_saved_sequence_loads_into_another_and_its_next_prompt_is_a_fresh_prefills() {
+    let m = common::model();
+    let all = &prompts()[0];
+    let (first, next) = (&all[..200], &all[..300]);
+    let mut p = ParallelSession::new(m, config(h2o()), 3).unwrap();
+    // a prompt's rest, call by call
+    let run = |p: &mut ParallelSession, seq: u32, rest: &[Token]| {
+        let mut done = 0;
+        while done < rest.len() {
+            done += p.prefill(seq, &rest[done..], usize::MAX).unwrap();
+        }
+    };
+    p.start_prompt(0, first, None).unwrap();
+    run(&mut p, 0, first);
+    let path = std::env::temp_dir().join(format!("h2o-seq-{}.bin", std::process::id()));
+    let (saved, bytes) = p.save_seq(0, &path).unwrap();
+    assert!(bytes > 0 && saved > 0 && saved <= first.len(), "{saved}");
+    // with H2O, the chunks before the prompt's dense tail; all of it with full attention
+    if h2o().is_some() {
+        assert_eq!(saved % 64, 0);
+    } else {
+        assert_eq!(saved, first.len());
+    }
+    assert_eq!(p.load_seq(1, &path).unwrap(), saved);
+    assert_eq!(p.tokens(1), &first[..saved]);
+    // the restored sequence reuses what it holds; its logits are a fresh sequence's
+    let kept = p.start_prompt(1, next, None).unwrap();
+    assert_eq!(kept, saved, "the next prompt reuses the restored prefix");
+    run(&mut p, 1, &next[kept..]);
+    let restored = p.logits(None).unwrap().to_vec();
+    p.start_prompt(2, next, None).unwrap();
+    run(&mut p, 2, next);
+    assert_eq!(restored, p.logits(None).unwrap(), "restored vs fresh");
+
+    // refused, with the sequence unchanged: not a saved sequence, no such file
+    std::fs::write(&path, b"not a state").unwrap();
+    let e = p.load_seq(1, &path).unwrap_err();
+    assert!(matches!(e, Error::StateLoad { .. }), "{e}");
+    assert_eq!(p.tokens(1).len(), next.len());
+    let _ = std::fs::remove_file(&path);
+    assert!(matches!(p.load_seq(1, &path), Err(Error::StateLoad { .. })));
+}

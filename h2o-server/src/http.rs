@@ -20,12 +20,18 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{
-    EngineHandle, EngineInfo, Event, Job, JobError, Metrics, SlotView, SubmitError,
+    EngineHandle, EngineInfo, Event, Job, JobError, Metrics, SlotOp, SlotOpDone, SlotOpError,
+    SlotView, SubmitError,
 };
 use crate::error::ApiError;
 use crate::metrics;
 use crate::openai::Body;
 use crate::response::Spell;
+
+/// A slot operation's answer, boxed so that [`Engine`] stays a trait object.
+pub type SlotOpFuture<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<SlotOpDone, SlotOpError>> + Send + 'a>,
+>;
 
 /// What the HTTP layer needs of the engine.
 pub trait Engine: Send + Sync + 'static {
@@ -35,6 +41,8 @@ pub trait Engine: Send + Sync + 'static {
     fn info(&self) -> &EngineInfo;
     fn metrics(&self) -> &Metrics;
     fn slots(&self) -> Vec<SlotView>;
+    /// As [`EngineHandle::slot_op`].
+    fn slot_op(&self, id: u32, op: SlotOp) -> SlotOpFuture<'_>;
     /// # Errors
     /// As [`EngineHandle::apply_template`].
     fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError>;
@@ -69,6 +77,10 @@ impl Engine for EngineHandle {
 
     fn slots(&self) -> Vec<SlotView> {
         EngineHandle::slots(self)
+    }
+
+    fn slot_op(&self, id: u32, op: SlotOp) -> SlotOpFuture<'_> {
+        Box::pin(EngineHandle::slot_op(self, id, op))
     }
 
     fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
@@ -113,6 +125,9 @@ pub struct Options {
     pub slots: bool,
     /// The page at `/` (off: 404, `--no-webui`).
     pub webui: bool,
+    /// `--slot-save-path`: where `POST /slots/{id}?action=save|restore` keep their files
+    /// (none: those answer 501).
+    pub slot_save_path: Option<std::path::PathBuf>,
 }
 
 impl Options {
@@ -123,6 +138,7 @@ impl Options {
             max_body,
             slots: true,
             webui: true,
+            slot_save_path: None,
         }
     }
 }
@@ -167,6 +183,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/props", get(info::props))
         .route("/slots", get(info::slots))
+        .route("/slots/{id}", post(slots::action))
         .route("/apply-template", post(info::apply_template))
         .route("/tokenize", post(tokens::tokenize))
         .route("/detokenize", post(tokens::detokenize))
@@ -376,6 +393,7 @@ async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
 
 mod generate;
 mod info;
+mod slots;
 mod tokens;
 
 #[cfg(test)]

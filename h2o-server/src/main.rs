@@ -195,6 +195,9 @@ struct Cli {
     /// Accepted for llama-server's command lines: /metrics is always on
     #[arg(long)]
     metrics: bool,
+    /// Directory of slot files: POST /slots/{id}?action=save|restore keep them there
+    #[arg(long = "slot-save-path", value_name = "DIR")]
+    slot_save_path: Option<PathBuf>,
     /// No web page at / (404)
     #[arg(long = "no-webui")]
     no_webui: bool,
@@ -299,6 +302,14 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
             cli.ctx_size, cli.parallel
         ))
         .into());
+    }
+    if let Some(dir) = &cli.slot_save_path {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            Error::InvalidConfig(format!(
+                "--slot-save-path {}: cannot make the directory: {e}",
+                dir.display()
+            ))
+        })?;
     }
     if cli.max_body == 0 {
         return Err(Error::InvalidConfig("--max-body must be at least 1 byte".into()).into());
@@ -452,6 +463,7 @@ async fn run(cli: Cli) -> Result<()> {
     let options = http::Options {
         slots: !cli.no_slots,
         webui: !cli.no_webui,
+        slot_save_path: cli.slot_save_path.clone(),
         ..http::Options::new(cli.api_key.clone(), cli.max_body)
     };
     let state = Arc::new(http::AppState::new(Arc::new(engine.clone()), options));

@@ -352,3 +352,79 @@ fn slots_show_a_busy_slots_h2o_state_and_cors_and_templates_answer() {
             .all(|s| s["is_processing"] == false)
     });
 }
+
+#[test]
+fn a_saved_slot_restored_elsewhere_continues_its_conversation() {
+    let dir = std::env::temp_dir().join(format!("h2o-slots-{}", std::process::id()));
+    let server = Server::start(&[SHAPE, &["--slot-save-path", dir.to_str().unwrap()]].concat());
+    let first = format!("{}What did the harbour master count?", long_text(300));
+    let greedy = |prompt: &str, cache: bool| {
+        let (status, v) = post(
+            &server,
+            "/completion",
+            &json!({"prompt": prompt, "n_predict": 8, "temperature": 0, "cache_prompt": cache}),
+        );
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let r1 = greedy(&first, true);
+    let slot = r1["id_slot"].as_u64().unwrap();
+    let action = |id: u64, action: &str, body: Value| {
+        let r = client()
+            .post(server.url(&format!("/slots/{id}?action={action}")))
+            .json(&body)
+            .send()
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().unwrap())
+    };
+    let (status, saved) = action(slot, "save", json!({"filename": "conversation.bin"}));
+    assert_eq!(status, 200, "{saved}");
+    // with H2O, what a next turn can reuse: whole chunks of 64 before the prompt's dense tail
+    let n_saved = saved["n_saved"].as_u64().unwrap();
+    assert!(n_saved >= 256 && n_saved % 64 == 0, "{saved}");
+    assert!(saved["n_written"].as_u64().unwrap() > 0, "{saved}");
+    let (status, erased) = action(slot, "erase", json!({}));
+    assert_eq!(status, 200, "{erased}");
+    assert_eq!(erased["n_erased"], n_saved);
+    let other = (slot + 1) % 4;
+    let (status, restored) = action(other, "restore", json!({"filename": "conversation.bin"}));
+    assert_eq!(status, 200, "{restored}");
+    assert_eq!(restored["n_restored"], n_saved);
+    let slots = get_json(&server, "/slots");
+    assert_eq!(slots[other as usize]["n_past"], n_saved, "{slots}");
+    assert_eq!(slots[slot as usize]["n_past"], 0, "{slots}");
+
+    // the conversation's next turn goes to the restored slot and reuses its prefix; its answer
+    // is the one a fresh evaluation of the whole prompt gives
+    let next = format!("{first}{} And then?", r1["content"].as_str().unwrap());
+    let reused = greedy(&next, true);
+    assert_eq!(reused["id_slot"], other, "{reused}");
+    assert!(
+        reused["timings"]["cache_n"].as_u64().unwrap() > 0,
+        "{reused}"
+    );
+    let fresh = greedy(&next, false);
+    assert_eq!(fresh["timings"]["cache_n"], 0, "{fresh}");
+    assert_eq!(reused["content"], fresh["content"]);
+
+    // bad input: 400 naming the problem; no --slot-save-path: 501
+    for (id, act, body) in [
+        (other, "restore", json!({"filename": "missing.bin"})),
+        (other, "save", json!({"filename": "../escape.bin"})),
+        (other, "jump", json!({})),
+        (99, "erase", json!({})),
+    ] {
+        let (status, v) = action(id, act, body);
+        assert_eq!(status, 400, "{act}: {v}");
+        assert!(v["error"]["message"].is_string());
+    }
+    let plain = Server::start(SHAPE);
+    let r = client()
+        .post(plain.url("/slots/0?action=save"))
+        .json(&json!({"filename": "x.bin"}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 501);
+    let _ = std::fs::remove_dir_all(&dir);
+}

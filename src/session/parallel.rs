@@ -22,6 +22,8 @@ use crate::model::{Model, Token};
 use crate::sampler::Sampler;
 use crate::{backend, sys};
 
+mod state;
+
 /// A sequence of a [`ParallelSession`]: `0 .. n_seq`.
 pub type SeqId = u32;
 

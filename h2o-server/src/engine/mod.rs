@@ -266,6 +266,39 @@ pub enum JobError {
     ShuttingDown,
 }
 
+/// What `POST /slots/{id}?action=…` asks of a free slot (llama-server's slot save and restore).
+#[derive(Debug, Clone)]
+pub enum SlotOp {
+    /// Save the slot's sequence (tokens, KV cells, H2O state) to this file.
+    Save(std::path::PathBuf),
+    /// Replace the slot's sequence with one saved to this file.
+    Restore(std::path::PathBuf),
+    /// Empty the slot.
+    Erase,
+}
+
+/// What a slot operation did: tokens saved, restored or erased, and file bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotOpDone {
+    pub n_tokens: usize,
+    pub n_bytes: usize,
+    pub ms: f64,
+}
+
+/// Why a slot operation was refused.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SlotOpError {
+    #[error("there is no slot {id}: this server has slots 0 to {}", .n - 1)]
+    NoSuchSlot { id: u32, n: u32 },
+    #[error("slot {0} is serving a request: try again when it is idle (GET /slots)")]
+    Busy(u32),
+    /// The save or the restore failed (llama.cpp's or the file system's reason).
+    #[error("{0}")]
+    Failed(String),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SubmitError {
     #[error(
@@ -412,6 +445,19 @@ impl EngineHandle {
     /// A token is not in the vocabulary.
     pub fn detokenize(&self, tokens: &[Token]) -> Result<String, h2o_llama::Error> {
         self.model.detokenize(tokens, true)
+    }
+
+    /// Runs `op` on slot `id` between the engine's steps.
+    ///
+    /// # Errors
+    /// [`SlotOpError`]: no such slot, the slot is busy, the operation failed, or the server is
+    /// stopping.
+    pub async fn slot_op(&self, id: u32, op: SlotOp) -> Result<SlotOpDone, SlotOpError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .try_send(worker::Command::Slot(id, op, tx))
+            .map_err(|_| SlotOpError::ShuttingDown)?;
+        rx.await.unwrap_or(Err(SlotOpError::ShuttingDown))
     }
 
     /// Queues a job. Its events arrive on the returned receiver; dropping the receiver cancels

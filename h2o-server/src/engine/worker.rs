@@ -18,13 +18,17 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::{
     EngineConfig, EngineHandle, EngineInfo, Event, FinishReason, Job, JobError, JobTimings,
-    Metrics, NextTokenView, Prompt, PromptPiece, SlotH2oView, SlotView, SubmitError,
+    Metrics, NextTokenView, Prompt, PromptPiece, SlotH2oView, SlotOp, SlotOpDone, SlotOpError,
+    SlotView, SubmitError,
 };
 
 pub(crate) enum Command {
     Submit(Box<Pending>, UnboundedSender<Event>),
+    Slot(u32, SlotOp, SlotReply),
     Shutdown,
 }
+
+type SlotReply = tokio::sync::oneshot::Sender<Result<SlotOpDone, SlotOpError>>;
 
 /// A job waiting for a slot.
 pub(crate) struct Pending {
@@ -353,6 +357,10 @@ impl<'m> Engine<'m> {
             for command in first.into_iter().chain(rx.try_iter()) {
                 match command {
                     Command::Submit(p, tx) => self.queue.push_back((p, tx)),
+                    Command::Slot(id, op, reply) => {
+                        let _ = reply.send(self.slot_op(id, op));
+                        self.publish_slots();
+                    }
                     Command::Shutdown => self.stopping.store(true, Ordering::SeqCst),
                 }
             }
@@ -381,6 +389,37 @@ impl<'m> Engine<'m> {
         }
         self.metrics.slots_busy.store(0, Ordering::SeqCst);
         self.publish_slots();
+    }
+
+    /// Saves, restores or erases a free slot's sequence.
+    fn slot_op(&mut self, id: u32, op: SlotOp) -> Result<SlotOpDone, SlotOpError> {
+        let n = self.slots.len() as u32;
+        if id >= n {
+            return Err(SlotOpError::NoSuchSlot { id, n });
+        }
+        if self.slots[id as usize].is_some() {
+            return Err(SlotOpError::Busy(id));
+        }
+        let t0 = Instant::now();
+        let failed = |e: h2o_llama::Error| SlotOpError::Failed(e.to_string());
+        let (n_tokens, n_bytes) = match op {
+            SlotOp::Save(path) => self.session.save_seq(id, &path).map_err(failed)?,
+            SlotOp::Restore(path) => {
+                let n_tokens = self.session.load_seq(id, &path).map_err(failed)?;
+                let n_bytes = std::fs::metadata(&path).map_or(0, |m| m.len() as usize);
+                (n_tokens, n_bytes)
+            }
+            SlotOp::Erase => {
+                let n_tokens = self.session.tokens(id).len();
+                self.session.clear(id).map_err(failed)?;
+                (n_tokens, 0)
+            }
+        };
+        Ok(SlotOpDone {
+            n_tokens,
+            n_bytes,
+            ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
     }
 
     /// Frees the slots (and queue places) of jobs whose client has gone.

@@ -98,6 +98,15 @@ impl Engine for Fake {
             .collect()
     }
 
+    fn slot_op(&self, id: u32, _: crate::engine::SlotOp) -> SlotOpFuture<'_> {
+        Box::pin(async move {
+            Err(crate::engine::SlotOpError::NoSuchSlot {
+                id,
+                n: self.info.n_parallel,
+            })
+        })
+    }
+
     fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
         Ok(messages
             .iter()
