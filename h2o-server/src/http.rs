@@ -201,6 +201,60 @@ pub fn router(state: Shared) -> Router {
         .with_state(state)
 }
 
+/// Serves `app` on `listener` until `stop` resolves, then waits for the open connections to
+/// end. Each connection is hyper's HTTP/1 with Title-Case header names on the wire
+/// (`Access-Control-Allow-Origin`), as llama-server writes them: header names are
+/// case-insensitive, but some clients compare them as written.
+///
+/// # Errors
+/// The listener failed in a way that is not one connection's (out of file descriptors is
+/// waited out, not returned).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    stop: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1.title_case_headers(true);
+    tokio::pin!(stop);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                // a connection that failed before it was accepted, or no descriptors left:
+                // neither stops the server
+                Err(e) if is_connection_error(&e) => continue,
+                Err(e) if e.raw_os_error() == Some(24) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            },
+            () = &mut stop => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let io = hyper_util::rt::TokioIo::new(stream);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = graceful.watch(http1.serve_connection(io, service));
+        tokio::spawn(async move {
+            // a client that goes away mid-answer is not the server's error
+            let _ = connection.await;
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    )
+}
+
 // ---- CORS ---------------------------------------------------------------------------------------
 
 /// Browsers' cross-origin requests, as llama-server allows them: any origin, and a preflight

@@ -2,7 +2,6 @@
 //! prefills with H2O chunked sparse attention. This file is the shell: flags, model, engine,
 //! listener, signals. The endpoints are in `http`, the request and response shapes in `openai`.
 
-use std::future::IntoFuture;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -473,8 +472,7 @@ async fn run(cli: Cli) -> Result<()> {
         .context("cannot read the bound address")?;
     // the one line scripts and tests wait for: the server is ready, on this (real) port
     eprintln!("h2o-server: listening on http://{local}");
-    let server = axum::serve(listener, app).with_graceful_shutdown(Stop::wait(stop.rx.clone()));
-    let mut server = tokio::spawn(server.into_future());
+    let mut server = tokio::spawn(http::serve(listener, app, Stop::wait(stop.rx.clone())));
 
     let served = tokio::select! {
         r = &mut server => Some(r),

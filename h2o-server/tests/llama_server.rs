@@ -324,6 +324,20 @@ fn slots_show_a_busy_slots_h2o_state_and_cors_and_templates_answer() {
     );
     let r = client().get(server.url("/health")).send().unwrap();
     assert_eq!(r.headers()["access-control-allow-origin"], "*");
+    // on the wire, header names in Title-Case, as llama-server writes them
+    let raw = {
+        use std::io::{Read, Write};
+        let addr = server.base.trim_start_matches("http://");
+        let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+        write!(tcp, "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nOrigin: http://a.b\r\nConnection: close\r\n\r\n").unwrap();
+        let mut text = String::new();
+        tcp.read_to_string(&mut text).unwrap();
+        text
+    };
+    assert!(
+        raw.contains("\r\nAccess-Control-Allow-Origin: http://a.b\r\n"),
+        "{raw}"
+    );
 
     // /apply-template: the chat prompt, with a final assistant message as a prefill
     let (status, v) = post(
