@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::cpu::link_runtime;
+use crate::engine::SCHEMA_CONVERTER_SOURCES;
 use crate::fail;
 
 pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
@@ -83,17 +84,7 @@ fn build_schema_converter(tree: &Path) {
         .cpp(true)
         .std("c++17")
         .opt_level(3)
-        .files(
-            [
-                "json.cpp",
-                "json-schema.cpp",
-                "json-schema-to-grammar.cpp",
-                "json-schema-to-grammar-c.cpp",
-                "trie.cpp",
-                "unicode.cpp",
-            ]
-            .map(|f| common.join(f)),
-        )
+        .files(SCHEMA_CONVERTER_SOURCES.iter().map(|f| common.join(f)))
         .includes([
             common.clone(),
             tree.join("vendor"),

@@ -44,6 +44,17 @@ struct Group {
     patched_only: bool,
 }
 
+/// common/'s JSON schema converter: the files llama-server's `json_schema_to_grammar` needs,
+/// and its C entry point (patch 0022).
+pub const SCHEMA_CONVERTER_SOURCES: &[&str] = &[
+    "json.cpp",
+    "json-schema.cpp",
+    "json-schema-to-grammar.cpp",
+    "json-schema-to-grammar-c.cpp",
+    "trie.cpp",
+    "unicode.cpp",
+];
+
 /// The engine's translation units, in compile (and archive) order.
 const UNITS: &[Group] = &[
     // ggml/src/CMakeLists.txt: ggml-base and ggml
@@ -128,14 +139,7 @@ const UNITS: &[Group] = &[
     Group {
         dir: "common",
         arch: &[],
-        sources: Sources::Listed(&[
-            "json.cpp",
-            "json-schema.cpp",
-            "json-schema-to-grammar.cpp",
-            "json-schema-to-grammar-c.cpp",
-            "trie.cpp",
-            "unicode.cpp",
-        ]),
+        sources: Sources::Listed(SCHEMA_CONVERTER_SOURCES),
         headers: "common",
         patched_only: true,
     },

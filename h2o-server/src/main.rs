@@ -358,22 +358,8 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         h2o,
         queue_capacity: cli.queue,
         chat_template: cli.chat_template.clone(),
-        aliases: cli
-            .alias
-            .iter()
-            .flat_map(|a| a.split(','))
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
-            .map(str::to_string)
-            .collect(),
-        tags: cli
-            .tags
-            .iter()
-            .flat_map(|a| a.split(','))
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
-            .map(str::to_string)
-            .collect(),
+        aliases: comma_list(cli.alias.as_deref()),
+        tags: comma_list(cli.tags.as_deref()),
         defaults: RequestDefaults {
             temperature: cli.temp,
             top_k: cli.top_k,
@@ -382,6 +368,16 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
             n_predict: cli.n_predict,
         },
     })
+}
+
+/// The names of a comma-separated flag (`--alias a,b`), blanks dropped.
+fn comma_list(flag: Option<&str>) -> Vec<String> {
+    flag.into_iter()
+        .flat_map(|a| a.split(','))
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 /// Set by the first SIGINT or SIGTERM: the model download gives up, the server stops taking

@@ -79,6 +79,21 @@ impl Head {
     }
 }
 
+/// An OpenAI object beginning with `head`'s fields, then `rest`'s.
+fn with_head(head: &Head, rest: Value) -> Value {
+    let mut v = json!({
+        "id": head.id,
+        "object": head.object,
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": head.system_fingerprint,
+    });
+    if let (Some(v), Value::Object(rest)) = (v.as_object_mut(), rest) {
+        v.extend(rest);
+    }
+    v
+}
+
 /// How a token is spelled in the log-probability lists.
 pub trait Spell {
     fn bytes(&self, token: Token) -> Vec<u8>;
@@ -261,15 +276,13 @@ pub fn prompt_progress(total: usize, cache: usize, processed: usize, time_ms: f6
 
 /// An OpenAI chunk with no choice that carries `prompt_progress` (`return_progress`).
 pub fn openai_progress_chunk(head: &Head, progress: Value) -> Value {
-    json!({
-        "id": head.id,
-        "object": head.object,
-        "created": head.created,
-        "model": head.model,
-        "system_fingerprint": head.system_fingerprint,
-        "choices": [],
-        "prompt_progress": progress,
-    })
+    with_head(
+        head,
+        json!({
+            "choices": [],
+            "prompt_progress": progress,
+        }),
+    )
 }
 
 /// llama-server's `prompt_progress` event of a `/completion` stream (`return_progress`).
@@ -285,42 +298,38 @@ pub fn progress_chunk(total: usize, cache: usize, processed: usize, time_ms: f64
 
 /// A whole `chat.completion`.
 pub fn chat_completion(head: &Head, out: &Output, logprobs: Option<Vec<Value>>) -> Value {
-    json!({
-        "id": head.id,
-        "object": head.object,
-        "created": head.created,
-        "model": head.model,
-        "system_fingerprint": head.system_fingerprint,
-        "choices": [{
-            "index": 0,
-            "message": { "role": "assistant", "content": out.text },
-            "finish_reason": out.finish_reason(),
-            "logprobs": logprobs.map(|c| json!({ "content": c })),
-        }],
-        "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
-        "timings": out.timings,
-    })
+    with_head(
+        head,
+        json!({
+            "choices": [{
+                "index": 0,
+                "message": { "role": "assistant", "content": out.text },
+                "finish_reason": out.finish_reason(),
+                "logprobs": logprobs.map(|c| json!({ "content": c })),
+            }],
+            "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
+            "timings": out.timings,
+        }),
+    )
 }
 
 /// A whole `text_completion`, one choice per prompt.
 pub fn text_completion(head: &Head, outs: &[(Output, Option<Value>)]) -> Value {
     let prompt_tokens = outs.iter().map(|(o, _)| o.prompt_tokens).sum();
     let completion_tokens = outs.iter().map(|(o, _)| o.completion_tokens).sum();
-    json!({
-        "id": head.id,
-        "object": head.object,
-        "created": head.created,
-        "model": head.model,
-        "system_fingerprint": head.system_fingerprint,
-        "choices": outs.iter().enumerate().map(|(i, (o, logprobs))| json!({
-            "index": i,
-            "text": o.text,
-            "finish_reason": o.finish_reason(),
-            "logprobs": logprobs,
-        })).collect::<Vec<_>>(),
-        "usage": Usage::new(prompt_tokens, completion_tokens),
-        "timings": outs.last().map(|(o, _)| &o.timings),
-    })
+    with_head(
+        head,
+        json!({
+            "choices": outs.iter().enumerate().map(|(i, (o, logprobs))| json!({
+                "index": i,
+                "text": o.text,
+                "finish_reason": o.finish_reason(),
+                "logprobs": logprobs,
+            })).collect::<Vec<_>>(),
+            "usage": Usage::new(prompt_tokens, completion_tokens),
+            "timings": outs.last().map(|(o, _)| &o.timings),
+        }),
+    )
 }
 
 /// One `chat.completion.chunk`. `delta_content`: `Some(None)` sends `"content": null` (the
@@ -339,49 +348,43 @@ pub fn chat_chunk(
     if let Some(c) = delta_content {
         delta.insert("content".into(), c.map_or(Value::Null, Value::from));
     }
-    json!({
-        "id": head.id,
-        "object": head.object,
-        "created": head.created,
-        "model": head.model,
-        "system_fingerprint": head.system_fingerprint,
-        "choices": [{
-            "index": 0,
-            "delta": delta,
-            "finish_reason": finish,
-            "logprobs": logprobs.map(|c| json!({ "content": c })),
-        }],
-    })
+    with_head(
+        head,
+        json!({
+            "choices": [{
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish,
+                "logprobs": logprobs.map(|c| json!({ "content": c })),
+            }],
+        }),
+    )
 }
 
 /// One streamed `text_completion` chunk.
 pub fn text_chunk(head: &Head, text: &str, finish: Option<&str>, logprobs: Option<Value>) -> Value {
-    json!({
-        "id": head.id,
-        "object": head.object,
-        "created": head.created,
-        "model": head.model,
-        "system_fingerprint": head.system_fingerprint,
-        "choices": [{
-            "index": 0,
-            "text": text,
-            "finish_reason": finish,
-            "logprobs": logprobs,
-        }],
-    })
+    with_head(
+        head,
+        json!({
+            "choices": [{
+                "index": 0,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": logprobs,
+            }],
+        }),
+    )
 }
 
 /// The chunk with `usage` (and llama-server's `timings`) and no choices, OpenAI's last before
 /// `[DONE]` when `stream_options.include_usage` asked for it.
 pub fn usage_chunk(head: &Head, out: &Output) -> Value {
-    json!({
-        "id": head.id,
-        "object": head.object,
-        "created": head.created,
-        "model": head.model,
-        "system_fingerprint": head.system_fingerprint,
-        "choices": [],
-        "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
-        "timings": out.timings,
-    })
+    with_head(
+        head,
+        json!({
+            "choices": [],
+            "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
+            "timings": out.timings,
+        }),
+    )
 }
