@@ -35,6 +35,39 @@ pub struct Output {
 }
 
 impl Output {
+    /// Takes in what `event` says of the job: its slot and prompt, a piece of text with its
+    /// tokens and log-probabilities, or its end; progress and failures leave it as it is.
+    pub fn record(&mut self, event: &crate::engine::Event) {
+        use crate::engine::Event;
+        match event {
+            Event::Started { slot, prompt, .. } => {
+                self.slot = Some(*slot);
+                self.prompt.clone_from(prompt);
+            }
+            Event::Token {
+                text,
+                tokens,
+                probs,
+            } => {
+                self.text.push_str(text);
+                self.tokens.extend_from_slice(tokens);
+                self.probs.extend_from_slice(probs);
+            }
+            Event::Done {
+                finish,
+                completion_tokens,
+                prompt_tokens,
+                timings,
+            } => {
+                self.finish = Some(*finish);
+                self.prompt_tokens = *prompt_tokens;
+                self.completion_tokens = *completion_tokens;
+                self.timings = timings.clone();
+            }
+            Event::Progress { .. } | Event::Failed(_) => {}
+        }
+    }
+
     pub fn finish_reason(&self) -> &'static str {
         self.finish.map_or("stop", FinishReason::as_str)
     }

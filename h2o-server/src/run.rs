@@ -97,35 +97,15 @@ impl Run {
     pub async fn collect(mut self) -> Result<(Output, JobStats), ApiError> {
         let mut out = Output::default();
         loop {
-            match self.next().await {
-                Some(Event::Started { slot, prompt, .. }) => {
-                    out.slot = Some(slot);
-                    out.prompt = prompt;
-                }
-                Some(Event::Progress { .. }) => {}
-                Some(Event::Token {
-                    text,
-                    tokens,
-                    probs,
-                }) => {
-                    out.text.push_str(&text);
-                    out.tokens.extend(tokens);
-                    out.probs.extend(probs);
-                }
-                Some(Event::Done {
-                    finish,
-                    completion_tokens,
-                    prompt_tokens,
-                    timings,
-                }) => {
-                    out.finish = Some(finish);
-                    out.prompt_tokens = prompt_tokens;
-                    out.completion_tokens = completion_tokens;
-                    out.timings = timings;
-                    return Ok((out, self.stats));
-                }
+            let event = self.next().await;
+            if let Some(e) = &event {
+                out.record(e);
+            }
+            match event {
+                Some(Event::Done { .. }) => return Ok((out, self.stats)),
                 Some(Event::Failed(e)) => return Err(job_error(&e, self.prompt_param)),
                 None => return Err(engine_gone()),
+                Some(_) => {}
             }
         }
     }

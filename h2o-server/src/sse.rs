@@ -201,17 +201,19 @@ impl StreamState {
             if self.ending != Ending::Running {
                 return None;
             }
-            match self.run.next().await {
-                Some(Event::Started { slot, prompt, .. }) => {
-                    self.out.slot = Some(slot);
-                    self.out.prompt = prompt;
-                }
-                Some(Event::Progress {
+            let Some(event) = self.run.next().await else {
+                self.fail(&engine_gone());
+                continue;
+            };
+            self.out.record(&event);
+            match event {
+                Event::Started { .. } => {}
+                Event::Progress {
                     total,
                     cache,
                     processed,
                     time_ms,
-                }) => {
+                } => {
                     if self.progress {
                         let chunk = match &self.format {
                             Format::Chat { head, .. } | Format::Text { head, .. } => {
@@ -227,35 +229,26 @@ impl StreamState {
                         self.queue.push_back(Format::json(&chunk));
                     }
                 }
-                Some(Event::Token {
+                Event::Token {
                     text,
                     tokens,
                     probs,
-                }) => {
+                } => {
                     if !text.is_empty() {
+                        // the text's offset: where it starts in what has gone out
+                        let offset = self.out.text.len() - text.len();
                         let event = self.format.piece(
                             &text,
                             &tokens,
                             &probs,
                             self.spell.as_ref(),
                             self.out.slot,
-                            self.out.text.len(),
+                            offset,
                         );
                         self.queue.push_back(event);
                     }
-                    self.out.text.push_str(&text);
-                    self.out.tokens.extend(tokens);
                 }
-                Some(Event::Done {
-                    finish,
-                    completion_tokens,
-                    prompt_tokens,
-                    timings,
-                }) => {
-                    self.out.finish = Some(finish);
-                    self.out.prompt_tokens = prompt_tokens;
-                    self.out.completion_tokens = completion_tokens;
-                    self.out.timings = timings;
+                Event::Done { .. } => {
                     let prompt_text = prompt_text(self.spell.as_ref(), &self.out.prompt);
                     let events = self
                         .format
@@ -265,8 +258,7 @@ impl StreamState {
                 }
                 // OpenAI clients raise an error for a data event holding {"error": …}; no [DONE]
                 // follows, so none of them takes the text so far for a complete answer
-                Some(Event::Failed(e)) => self.fail(&job_error(&e, self.run.prompt_param)),
-                None => self.fail(&engine_gone()),
+                Event::Failed(e) => self.fail(&job_error(&e, self.run.prompt_param)),
             }
         }
     }
