@@ -808,6 +808,47 @@ fn gemma3_coverage_selection_matches_the_reference_on_the_global_layers() {
     check_coverage_selection(common::gemma(), 1.0, 4);
 }
 
+/// Every head's arithmetic is the same whichever thread runs it, so coverage selection's logits
+/// are bit-identical with one, two or three threads, and from one run to the next. A thread that
+/// writes rows of a head another thread is still computing (the dense tail before the memory
+/// part of the same rows, say) shows up here as logits that differ between runs.
+#[test]
+fn coverage_selection_gives_the_same_logits_with_any_thread_count() {
+    let m = common::model();
+    let tokens = prompt(m);
+    let h2o = H2oConfig {
+        select: Selection::Coverage,
+        sink: 4,
+        dense_tail: 24,
+        coverage: 0.9,
+        tile_samples: 8,
+        ..H2oConfig::seed(L as u32, H as u32)
+    };
+    let logits = |n_threads: u32| -> Vec<f32> {
+        let cfg = SessionConfig {
+            n_threads,
+            capture_attention: false,
+            ..config(h2o)
+        };
+        let mut s = Session::new(m, cfg).unwrap();
+        s.evaluate(&tokens).unwrap();
+        s.logits().unwrap().to_vec()
+    };
+    let one = logits(1);
+    for n_threads in [2, 3, 2, 3] {
+        let other = logits(n_threads);
+        let differ = one
+            .iter()
+            .zip(&other)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "{n_threads} threads: {differ} logits differ from one thread's"
+        );
+    }
+}
+
 fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
     const SINK: usize = 4;
     const TAIL: usize = 24;
