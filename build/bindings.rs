@@ -22,8 +22,8 @@ const BINDING_HEADERS: &[&str] = &[
     "ggml/include/ggml-alloc.h",
 ];
 
-/// The C entry point of common/'s JSON schema converter (patch 0022).
-const PATCHED_HEADERS: &[&str] = &["common/json-schema-to-grammar-c.h"];
+/// The C entry points of common/'s JSON schema converter (patch 0022) and chat templates (0024).
+const PATCHED_HEADERS: &[&str] = &["common/json-schema-to-grammar-c.h", "common/chat-c.h"];
 
 fn headers(stock: bool) -> Vec<&'static str> {
     let patched: &[&str] = if stock { &[] } else { PATCHED_HEADERS };
@@ -90,6 +90,7 @@ fn generate_bindings(tree: &Path, digest: &str, stock: bool) -> String {
         .allowlist_type("ggml_.*")
         .allowlist_var("GGML_.*")
         .allowlist_function("json_schema_to_grammar_c.*")
+        .allowlist_function("common_chat_c_.*")
         .prepend_enum_name(false)
         .derive_default(true)
         .layout_tests(false)

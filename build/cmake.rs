@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::cpu::link_runtime;
-use crate::engine::SCHEMA_CONVERTER_SOURCES;
+use crate::engine::COMMON_SOURCES;
 use crate::fail;
 
 pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
@@ -65,7 +65,7 @@ pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
         println!("cargo:rustc-link-lib=static={lib}");
     }
     if env::var_os("CARGO_FEATURE_STOCK").is_none() {
-        build_schema_converter(tree);
+        build_common(tree);
     }
     let cuda_root = env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
     println!("cargo:rustc-link-search=native={cuda_root}/lib64");
@@ -76,23 +76,24 @@ pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
     link_runtime(None);
 }
 
-/// llama-server's JSON schema converter from common/ (the CPU build's "common" units, see
-/// `engine::UNITS`), which upstream's CMake builds only with all of common/.
-fn build_schema_converter(tree: &Path) {
+/// The units of common/ that the server's schemas, chat templates and tool calls need (the CPU
+/// build's "common" units, `engine::COMMON_SOURCES`), which upstream's CMake builds only with
+/// all of common/.
+fn build_common(tree: &Path) {
     let common = tree.join("common");
     cc::Build::new()
         .cpp(true)
         .std("c++17")
         .opt_level(3)
-        .files(SCHEMA_CONVERTER_SOURCES.iter().map(|f| common.join(f)))
+        .files(COMMON_SOURCES.iter().map(|f| common.join(f)))
         .includes([
             common.clone(),
             tree.join("vendor"),
             tree.join("include"),
             tree.join("ggml/include"),
         ])
-        .define("LLAMA_JSON_SCHEMA_TO_GRAMMAR_STANDALONE", None)
+        .define("LLAMA_COMMON_STANDALONE", None)
         .define("NDEBUG", None)
         .warnings(false)
-        .compile("h2o_llama_schema");
+        .compile("h2o_llama_common");
 }

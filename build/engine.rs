@@ -44,15 +44,49 @@ struct Group {
     patched_only: bool,
 }
 
-/// common/'s JSON schema converter: the files llama-server's `json_schema_to_grammar` needs,
-/// and its C entry point (patch 0022).
-pub const SCHEMA_CONVERTER_SOURCES: &[&str] = &[
+/// The units of common/ that llama-server's JSON schema conversion and chat templates need
+/// (patches 0022 and 0024): the converter, the Jinja engine, the chat templates with their
+/// tool call parsers, their JSON library and logging, the C entry points, and the helpers of
+/// common.cpp they use (common-standalone.cpp), in place of common.cpp itself.
+pub const COMMON_SOURCES: &[&str] = &[
     "json.cpp",
     "json-schema.cpp",
     "json-schema-to-grammar.cpp",
     "json-schema-to-grammar-c.cpp",
     "trie.cpp",
     "unicode.cpp",
+    "log.cpp",
+    "common-standalone.cpp",
+    "peg-parser.cpp",
+    "chat.cpp",
+    "chat-c.cpp",
+    "chat-auto-parser-generator.cpp",
+    "chat-auto-parser-helpers.cpp",
+    "chat-diff-analyzer.cpp",
+    "chat-peg-parser.cpp",
+    "jinja/caps.cpp",
+    "jinja/lexer.cpp",
+    "jinja/parser.cpp",
+    "jinja/runtime.cpp",
+    "jinja/string.cpp",
+    "jinja/value.cpp",
+    "parsers/parsers.cpp",
+    "parsers/cohere2moe.cpp",
+    "parsers/deepseek.cpp",
+    "parsers/functionary-v3-2.cpp",
+    "parsers/gemma4.cpp",
+    "parsers/gigachat-v3.cpp",
+    "parsers/gpt-oss.cpp",
+    "parsers/kimi-k2.cpp",
+    "parsers/kimi-k3.cpp",
+    "parsers/lfm2.cpp",
+    "parsers/ling3.cpp",
+    "parsers/llm-jp-harmony.cpp",
+    "parsers/minicpm5.cpp",
+    "parsers/minimax-m3.cpp",
+    "parsers/ministral3.cpp",
+    "parsers/muse-glimmer.cpp",
+    "parsers/qwen3-coder.cpp",
 ];
 
 /// The engine's translation units, in compile (and archive) order.
@@ -133,13 +167,13 @@ const UNITS: &[Group] = &[
         headers: "llama",
         patched_only: false,
     },
-    // common/: only llama-server's JSON schema converter, its JSON library and its C entry
-    // point (patch 0022), for the server's json_schema and response_format; the rest of
-    // common/ (sampling, chat, argument parsing) is not linked.
+    // common/: only what the server's json_schema, response_format, Jinja chat templates and
+    // tool calls need (`COMMON_SOURCES`); the rest of common/ (sampling, speculative decoding,
+    // argument parsing, downloads) is not linked.
     Group {
         dir: "common",
         arch: &[],
-        sources: Sources::Listed(SCHEMA_CONVERTER_SOURCES),
+        sources: Sources::Listed(COMMON_SOURCES),
         headers: "common",
         patched_only: true,
     },
@@ -241,15 +275,18 @@ pub fn flags(tree: &Path, gen_dir: &Path, target_arch: &str) -> Flags {
         .into_iter()
         .chain(common.iter().cloned())
         .collect();
-    let cxx_common: Vec<String> = cxx_flags
-        .iter()
-        .cloned()
+    // common/'s own directory comes first: its jinja/ sources include common/unicode.h as
+    // "unicode.h", which src/ (llama's internals) also has
+    let cxx_common: Vec<String> = ["-std=gnu++17".to_string()]
+        .into_iter()
         .chain([
             format!("-I{}", tree.join("common").display()),
             format!("-I{}", tree.join("vendor").display()),
-            // common.cpp is not linked: the converter's C entry point brings the helpers it uses
-            "-DLLAMA_JSON_SCHEMA_TO_GRAMMAR_STANDALONE".to_string(),
+            // common.cpp is not linked: common-standalone.cpp brings the helpers of it that the
+            // C entry points and their sources use
+            "-DLLAMA_COMMON_STANDALONE".to_string(),
         ])
+        .chain(common.iter().cloned())
         .collect();
     Flags {
         c: c_flags,

@@ -56,12 +56,9 @@ pub fn header_digests(tree: &Path, gen_dir: &Path) -> BTreeMap<&'static str, Vec
     let ggml_digest = h.clone().finalize().to_vec();
     digest_headers(tree, &[tree.join("include"), llama_src], true, &mut h);
     let llama_digest = h.clone().finalize().to_vec();
-    digest_headers(
-        tree,
-        &[tree.join("common"), tree.join("vendor/nlohmann")],
-        false,
-        &mut h,
-    );
+    // common/ with its jinja/ and parsers/ headers
+    digest_headers(tree, &[tree.join("common")], true, &mut h);
+    digest_headers(tree, &[tree.join("vendor/nlohmann")], false, &mut h);
     header_digests.insert("ggml", ggml_digest);
     header_digests.insert("llama", llama_digest);
     header_digests.insert("common", h.finalize().to_vec());

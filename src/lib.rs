@@ -32,6 +32,8 @@ pub mod capture;
 #[cfg(feature = "charts")]
 pub mod chart;
 mod chat;
+#[cfg(not(feature = "stock"))]
+mod chat_templates;
 pub mod coverage;
 pub mod default_model;
 pub mod demo;
@@ -52,9 +54,11 @@ mod session;
 pub use backend::set_log_echo;
 pub use capture::AttentionCapture;
 pub use chat::ChatMessage;
+#[cfg(not(feature = "stock"))]
+pub use chat_templates::{ChatPrompt, ChatReply, ChatTemplates, ReplyDelta, ReplyParser, ToolCall};
 pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
-pub use sampler::{Sampler, SamplerConfig, TokenLogprobs};
+pub use sampler::{GrammarTriggers, Sampler, SamplerConfig, TokenLogprobs};
 pub use session::{
     AbortCheck, CacheType, FlashAttention, Generation, H2oConfig, H2oState, ParallelSession,
     PromptCache, Selection, SeqId, Session, SessionConfig, Timings,

@@ -23,6 +23,22 @@ pub struct SamplerConfig {
     /// A GBNF grammar (llama.cpp's `grammars/README.md`) whose `root` rule every output must
     /// follow; tokens that would leave it get no probability.
     pub grammar: Option<String>,
+    /// `Some`: the grammar is lazy, as a chat template's tool call grammar: it binds the output
+    /// only from the first trigger on, and anything may come before.
+    pub grammar_triggers: Option<GrammarTriggers>,
+    /// Tokens the grammar accepts before the first sampled one: text the prompt already holds
+    /// but the grammar's `root` starts with (a chat template's generation prompt).
+    pub grammar_prefill: Vec<Token>,
+}
+
+/// What wakes a lazy grammar (llama.cpp's `llama_sampler_init_grammar_lazy_patterns`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GrammarTriggers {
+    /// Regular expressions over the generated text; the grammar binds from the first match's
+    /// first group (or the match) on.
+    pub patterns: Vec<String>,
+    /// Tokens whose sampling wakes the grammar.
+    pub tokens: Vec<Token>,
 }
 
 impl SamplerConfig {
@@ -36,6 +52,8 @@ impl SamplerConfig {
             seed: 0,
             logit_bias: Vec::new(),
             grammar: None,
+            grammar_triggers: None,
+            grammar_prefill: Vec::new(),
         }
     }
 }
@@ -50,6 +68,8 @@ impl Default for SamplerConfig {
             seed: 0xC0FFEE,
             logit_bias: Vec::new(),
             grammar: None,
+            grammar_triggers: None,
+            grammar_prefill: Vec::new(),
         }
     }
 }
@@ -65,6 +85,8 @@ impl Default for SamplerConfig {
 pub struct Sampler {
     ptr: NonNull<sys::llama_sampler>,
     grammar: Option<NonNull<sys::llama_sampler>>,
+    /// `SamplerConfig::grammar_prefill`, accepted again after a reset.
+    grammar_prefill: Vec<Token>,
     /// The candidates of a step with a grammar (one per vocabulary token), reused.
     candidates: Vec<sys::llama_token_data>,
 }
@@ -153,6 +175,7 @@ impl Sampler {
             let mut this = Self {
                 ptr: chain,
                 grammar: None,
+                grammar_prefill: config.grammar_prefill.clone(),
                 candidates: Vec::new(),
             };
             if let (Some(model), false) = (model, config.logit_bias.is_empty()) {
@@ -173,11 +196,37 @@ impl Sampler {
             }
             if let (Some(model), Some(grammar)) = (model, &grammar) {
                 crate::backend::clear_recent_log();
-                let g = sys::llama_sampler_init_grammar(
-                    model.vocab(),
-                    grammar.as_ptr(),
-                    c"root".as_ptr(),
-                );
+                let g = match &config.grammar_triggers {
+                    None => sys::llama_sampler_init_grammar(
+                        model.vocab(),
+                        grammar.as_ptr(),
+                        c"root".as_ptr(),
+                    ),
+                    Some(triggers) => {
+                        let patterns = triggers
+                            .patterns
+                            .iter()
+                            .map(|p| CString::new(p.as_str()))
+                            .collect::<std::result::Result<Vec<_>, _>>()
+                            .map_err(|_| {
+                                Error::InvalidConfig(
+                                    "a grammar trigger contains a NUL character".into(),
+                                )
+                            })?;
+                        let mut pattern_ptrs: Vec<*const std::os::raw::c_char> =
+                            patterns.iter().map(|p| p.as_ptr()).collect();
+                        // llama.cpp copies the patterns and tokens
+                        sys::llama_sampler_init_grammar_lazy_patterns(
+                            model.vocab(),
+                            grammar.as_ptr(),
+                            c"root".as_ptr(),
+                            pattern_ptrs.as_mut_ptr(),
+                            pattern_ptrs.len(),
+                            triggers.tokens.as_ptr(),
+                            triggers.tokens.len(),
+                        )
+                    }
+                };
                 let Some(g) = NonNull::new(g) else {
                     return Err(Error::InvalidConfig(format!(
                         "the grammar cannot be parsed: {}",
@@ -185,6 +234,16 @@ impl Sampler {
                     )));
                 };
                 this.grammar = Some(g);
+                // llama.cpp's grammar throws (and so aborts across the FFI) on a token it
+                // cannot take: each prefill token is checked first
+                for &token in &config.grammar_prefill {
+                    if !Self::grammar_allows(g, token) {
+                        return Err(Error::InvalidConfig(format!(
+                            "the grammar does not start with the prefill's token {token}"
+                        )));
+                    }
+                    sys::llama_sampler_accept(g.as_ptr(), token);
+                }
             }
             if config.temperature <= 0.0 {
                 sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_greedy());
@@ -236,20 +295,7 @@ impl Sampler {
                 sys::llama_vocab_n_tokens(sys::llama_model_get_vocab(sys::llama_get_model(ctx)));
             let logits = std::slice::from_raw_parts(logits, n_vocab as usize);
             let token = self.pick(logits, None);
-            // the grammar's verdict on this one token
-            let mut one = sys::llama_token_data {
-                id: token,
-                logit: 1.0,
-                p: 0.0,
-            };
-            let mut single = sys::llama_token_data_array {
-                data: &raw mut one,
-                size: 1,
-                selected: -1,
-                sorted: false,
-            };
-            sys::llama_sampler_apply(grammar.as_ptr(), &raw mut single);
-            let token = if one.logit.is_finite() {
+            let token = if Self::grammar_allows(grammar, token) {
                 token
             } else {
                 self.pick(logits, Some(grammar))
@@ -258,6 +304,27 @@ impl Sampler {
             sys::llama_sampler_accept(self.ptr.as_ptr(), token);
             token
         }
+    }
+
+    /// The grammar's verdict on one token.
+    ///
+    /// # Safety
+    /// `grammar` is a live sampler.
+    unsafe fn grammar_allows(grammar: NonNull<sys::llama_sampler>, token: Token) -> bool {
+        let mut one = sys::llama_token_data {
+            id: token,
+            logit: 1.0,
+            p: 0.0,
+        };
+        let mut single = sys::llama_token_data_array {
+            data: &raw mut one,
+            size: 1,
+            selected: -1,
+            sorted: false,
+        };
+        // SAFETY: the array points at `one`, alive for the call; the caller's grammar is live.
+        unsafe { sys::llama_sampler_apply(grammar.as_ptr(), &raw mut single) };
+        one.logit.is_finite()
     }
 
     /// The chain's pick from `logits`, after `grammar` removed what it forbids when given.
@@ -306,6 +373,17 @@ impl Sampler {
             sys::llama_sampler_reset(self.ptr.as_ptr());
             if let Some(g) = self.grammar {
                 sys::llama_sampler_reset(g.as_ptr());
+            }
+        }
+        self.accept_grammar_prefill();
+    }
+
+    /// The grammar takes `SamplerConfig::grammar_prefill` again (checked when it was built).
+    fn accept_grammar_prefill(&mut self) {
+        if let Some(g) = self.grammar {
+            for &token in &self.grammar_prefill {
+                // SAFETY: a live grammar sampler.
+                unsafe { sys::llama_sampler_accept(g.as_ptr(), token) };
             }
         }
     }
