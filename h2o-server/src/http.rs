@@ -39,6 +39,8 @@ pub trait Engine: Send + Sync + 'static {
     /// As [`EngineHandle::submit`].
     fn submit(&self, job: Job) -> Result<UnboundedReceiver<Event>, SubmitError>;
     fn info(&self) -> &EngineInfo;
+    /// The Jinja chat templates (`--jinja`, `--no-jinja`, tools).
+    fn jinja(&self) -> &crate::jinja::Jinja;
     fn metrics(&self) -> &Metrics;
     fn slots(&self) -> Vec<SlotView>;
     /// As [`EngineHandle::slot_op`].
@@ -69,6 +71,10 @@ impl Engine for EngineHandle {
 
     fn info(&self) -> &EngineInfo {
         EngineHandle::info(self)
+    }
+
+    fn jinja(&self) -> &crate::jinja::Jinja {
+        EngineHandle::jinja(self)
     }
 
     fn metrics(&self) -> &Metrics {
@@ -386,7 +392,7 @@ pub fn parse_json<T: Body>(bytes: &[u8]) -> Result<T, ApiError> {
 }
 
 /// A struct from a JSON object, naming the field at fault.
-fn fields<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+pub(crate) fn fields<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         json_error(&path, e.into_inner())

@@ -20,6 +20,7 @@ use tokio::sync::watch;
 mod engine;
 mod error;
 mod http;
+mod jinja;
 mod log;
 mod metrics;
 mod openai;
@@ -28,6 +29,7 @@ mod run;
 mod sse;
 
 use engine::{EngineConfig, EngineHandle, RequestDefaults};
+use jinja::JinjaMode;
 
 /// Exit codes, as h2o-cli's (README): distinct per failure class.
 mod exit {
@@ -175,15 +177,20 @@ struct Cli {
     #[arg(short = 'n', long = "n-predict", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     n_predict: i64,
     /// Chat template in place of the model's: one of llama.cpp's built-in templates by name
-    /// (chatml, llama3, gemma, command-r, …) or a template's text
+    /// (chatml, llama3, gemma, command-r, …) or a template's text (Jinja text also serves the
+    /// Jinja templates)
     #[arg(long = "chat-template", value_name = "NAME")]
     chat_template: Option<String>,
-    /// Accepted for llama-server's command lines: chat templates are rendered by llama.cpp's
-    /// built-in templates with or without it (README: differences from llama-server)
-    #[arg(long)]
+    /// A Jinja chat template file in place of the model's, for --jinja and requests with tools
+    /// (examples/templates/chatml-tools.jinja gives SmolLM2 tool calls)
+    #[arg(long = "chat-template-file", value_name = "FILE")]
+    chat_template_file: Option<PathBuf>,
+    /// Render every chat request with the Jinja template (llama.cpp's common/); without it only
+    /// requests with tools are, the others with llama.cpp's built-in templates
+    #[arg(long, overrides_with = "no_jinja")]
     jinja: bool,
-    /// llama-server's --no-jinja, accepted
-    #[arg(long = "no-jinja", hide = true)]
+    /// No Jinja templates: built-in templates only, and requests with tools are refused
+    #[arg(long = "no-jinja")]
     no_jinja: bool,
     /// GET /slots (on by default)
     #[arg(long, overrides_with = "no_slots")]
@@ -289,6 +296,24 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     h2o.coverage = cli.h2o_coverage;
     h2o.tile_samples = cli.h2o_tile_samples;
     let h2o = h2o.is_enabled().then_some(h2o);
+    let jinja_template = match (&cli.chat_template_file, &cli.chat_template) {
+        (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {
+            Error::InvalidConfig(format!(
+                "--chat-template-file {}: {e} (give a readable Jinja template file)",
+                path.display()
+            ))
+        })?),
+        // Jinja text given inline serves both paths; a built-in name only llama.cpp's own
+        (None, Some(t)) if t.contains("{%") || t.contains("{{") => Some(t.clone()),
+        (None, _) => None,
+    };
+    if cli.no_jinja && cli.chat_template_file.is_some() {
+        return Err(Error::InvalidConfig(
+            "--chat-template-file is a Jinja template, and --no-jinja turns those off: drop one"
+                .into(),
+        )
+        .into());
+    }
 
     if cli.parallel == 0 {
         return Err(Error::InvalidConfig("the slot count -np must be at least 1".into()).into());
@@ -358,6 +383,14 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         h2o,
         queue_capacity: cli.queue,
         chat_template: cli.chat_template.clone(),
+        jinja: if cli.no_jinja {
+            JinjaMode::Off
+        } else if cli.jinja {
+            JinjaMode::All
+        } else {
+            JinjaMode::Tools
+        },
+        jinja_template,
         aliases: comma_list(cli.alias.as_deref()),
         tags: comma_list(cli.tags.as_deref()),
         defaults: RequestDefaults {

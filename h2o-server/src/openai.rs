@@ -4,18 +4,19 @@
 //!
 //! Every check happens here, before the engine sees the job, so that a bad request costs no slot
 //! and gets a 400 naming the field. Fields this server does not implement (`frequency_penalty`,
-//! `user`, …) are ignored, as llama-server does, except those that would change the answer's
-//! shape (`n` > 1) or its content (`tools`): those are refused.
+//! `user`, …) are ignored, as llama-server does, except one that would change the answer's
+//! shape (`n` > 1): it is refused.
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use h2o_llama::{ChatMessage, Selection};
+use h2o_llama::{ChatMessage, ReplyParser, Selection};
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::engine::{EngineInfo, H2oOverrides, Job, Prompt, PromptPiece, Sampling};
 use crate::error::ApiError;
+use crate::jinja::{self, ChatFields, Jinja};
 
 /// OpenAI's range for `temperature`.
 const MAX_TEMPERATURE: f64 = 2.0;
@@ -23,7 +24,9 @@ const MAX_TEMPERATURE: f64 = 2.0;
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
-    pub messages: Vec<ChatMessageIn>,
+    /// OpenAI's messages: read as [`ChatMessageIn`] for llama.cpp's built-in templates, passed
+    /// whole (tool calls and tool results included) to the Jinja ones.
+    pub messages: Value,
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
@@ -43,8 +46,20 @@ pub struct ChatRequest {
     /// `{"type": "text" | "json_object" | "json_schema", …}`.
     #[serde(default)]
     pub response_format: Value,
+    /// OpenAI's function tools; they take the request to the Jinja templates (`jinja`).
     #[serde(default)]
     pub tools: Value,
+    /// `auto`, `required` or `none`.
+    #[serde(default)]
+    pub tool_choice: Value,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
+    /// Extra variables for the Jinja template (llama-server's).
+    #[serde(default)]
+    pub chat_template_kwargs: Value,
+    /// How thinking is split from the reply: `none`, `auto`, `deepseek`, `deepseek-legacy`.
+    #[serde(default)]
+    pub reasoning_format: Option<String>,
     #[serde(skip)]
     pub common: Common,
 }
@@ -179,7 +194,7 @@ impl Body for LlamaCompletionRequest {
 }
 
 /// How the answer is sent, decided from the request.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct Delivery {
     pub stream: bool,
     /// OpenAI's `stream_options.include_usage`: one more chunk with `usage` before `[DONE]`.
@@ -194,6 +209,8 @@ pub struct Delivery {
     pub response_fields: Option<Vec<String>>,
     /// `return_progress`: `prompt_progress` events in a stream.
     pub progress: bool,
+    /// A Jinja-rendered chat's reply parser: the answer's content and tool calls come from it.
+    pub reply_parser: Option<ReplyParser>,
 }
 
 impl ChatRequest {
@@ -201,8 +218,7 @@ impl ChatRequest {
     ///
     /// # Errors
     /// A 400 naming the first bad field.
-    pub fn into_job(self, info: &EngineInfo) -> Result<(Job, Delivery), ApiError> {
-        let messages = chat_messages(self.messages)?;
+    pub fn into_job(self, info: &EngineInfo, jinja: &Jinja) -> Result<(Job, Delivery), ApiError> {
         check_n(self.n)?;
         // both given: the newer name wins, as in OpenAI's API
         let (max_param, max) = match (self.max_completion_tokens, self.max_tokens) {
@@ -210,13 +226,6 @@ impl ChatRequest {
             (None, m) => ("max_tokens", m),
         };
         let max_tokens = max_tokens(max_param, max, false, info)?;
-        if !self.tools.is_null() && self.tools.as_array().is_none_or(|t| !t.is_empty()) {
-            return Err(ApiError::field(
-                "tools",
-                "tools are not supported yet by this server (its chat templates are llama.cpp's \
-                 built-in ones, which render no tool definitions): leave tools out",
-            ));
-        }
         let top = match (self.logprobs, self.top_logprobs) {
             (Some(true), n) => Some(count_field("top_logprobs", n.unwrap_or(0), 20)?),
             (_, Some(_)) => {
@@ -227,7 +236,33 @@ impl ChatRequest {
             }
             _ => None,
         };
-        let mut job = job(Prompt::Chat(messages), &self.common, max_tokens, info)?;
+        let rendered = if jinja.renders(jinja::is_given(&self.tools))? {
+            check_messages(&self.messages)?;
+            Some(jinja.render(&ChatFields {
+                messages: &self.messages,
+                tools: &self.tools,
+                tool_choice: &self.tool_choice,
+                parallel_tool_calls: self.parallel_tool_calls,
+                chat_template_kwargs: &self.chat_template_kwargs,
+                reasoning_format: self.reasoning_format.as_deref(),
+            })?)
+        } else {
+            None
+        };
+        let prompt = match &rendered {
+            Some(r) => Prompt::Text(r.prompt.clone()),
+            None => {
+                // read as the body's own field, so that an error names the message at fault
+                #[derive(Deserialize)]
+                struct Messages {
+                    messages: Vec<ChatMessageIn>,
+                }
+                let m: Messages =
+                    crate::http::fields(serde_json::json!({ "messages": self.messages }))?;
+                Prompt::Chat(chat_messages(m.messages)?)
+            }
+        };
+        let mut job = job(prompt, &self.common, max_tokens, info)?;
         if let Some(g) = response_format_grammar(&self.response_format)? {
             if job.sampling.grammar.is_some() {
                 return Err(ApiError::field(
@@ -237,12 +272,48 @@ impl ChatRequest {
             }
             job.sampling.grammar = Some(g);
         }
+        if let Some(r) = &rendered {
+            r.configure(&mut job.sampling)?;
+        }
         job.sampling.probs = top;
         let mut d = delivery(self.stream, self.stream_options.as_ref(), &self.common);
         d.probs = top.is_some();
+        d.reply_parser = rendered.map(|r| r.parser);
         job.progress = d.progress;
         Ok((job, d))
     }
+}
+
+/// The checks of [`chat_messages`] that hold for the Jinja templates too: at least one message,
+/// and at most one assistant message at the end.
+fn check_messages(messages: &Value) -> Result<(), ApiError> {
+    let Some(list) = messages.as_array() else {
+        return Err(ApiError::field(
+            "messages",
+            format!("messages must be an array, not {}", json_kind(messages)),
+        ));
+    };
+    if list.is_empty() {
+        return Err(ApiError::field(
+            "messages",
+            "messages is empty: send at least one message",
+        ));
+    }
+    let role = |m: &Value| m.get("role").and_then(Value::as_str).map(str::to_string);
+    if let [.., a, b] = list.as_slice() {
+        if role(a).as_deref() == Some("assistant") && role(b).as_deref() == Some("assistant") {
+            return Err(two_assistants());
+        }
+    }
+    Ok(())
+}
+
+fn two_assistants() -> ApiError {
+    ApiError::field(
+        "messages",
+        "the last two messages are both from the assistant: a final assistant message is a \
+         prefill the reply continues, so only one may end the conversation",
+    )
 }
 
 impl CompletionRequest {
@@ -442,11 +513,7 @@ pub fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, A
         .collect::<Result<Vec<_>, _>>()?;
     if let [.., a, b] = messages.as_slice() {
         if a.role == "assistant" && b.role == "assistant" {
-            return Err(ApiError::field(
-                "messages",
-                "the last two messages are both from the assistant: a final assistant message \
-                 is a prefill the reply continues, so only one may end the conversation",
-            ));
+            return Err(two_assistants());
         }
     }
     Ok(messages)
@@ -700,6 +767,9 @@ fn sampling(c: &Common, max_tokens: u32, info: &EngineInfo) -> Result<Sampling, 
         logit_bias: bias.0,
         logit_bias_text: bias.1,
         grammar,
+        grammar_triggers: None,
+        grammar_prefill: Vec::new(),
+        preserved_tokens: Vec::new(),
         probs: None,
     })
 }
@@ -946,7 +1016,12 @@ mod tests {
     }
 
     fn chat(body: Value, h2o: bool) -> Result<(Job, Delivery), ApiError> {
-        parse::<ChatRequest>(&body).into_job(&info(h2o))
+        // no model here: the Jinja templates are out of reach, requests with tools are 400
+        let jinja = Jinja {
+            mode: crate::jinja::JinjaMode::Tools,
+            templates: Err("no model in unit tests".into()),
+        };
+        parse::<ChatRequest>(&body).into_job(&info(h2o), &jinja)
     }
 
     fn param_of(r: Result<(Job, Delivery), ApiError>) -> String {

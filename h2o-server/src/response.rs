@@ -2,7 +2,7 @@
 //! and as stream chunks) and llama-server's `/completion` objects, built from what a job
 //! produced. `http` sends them whole, `sse` as events; neither builds JSON of its own.
 
-use h2o_llama::{Token, TokenLogprobs};
+use h2o_llama::{ChatReply, ReplyDelta, Token, TokenLogprobs};
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -329,21 +329,104 @@ pub fn progress_chunk(total: usize, cache: usize, processed: usize, time_ms: f64
     })
 }
 
-/// A whole `chat.completion`.
-pub fn chat_completion(head: &Head, out: &Output, logprobs: Option<Vec<Value>>) -> Value {
+/// A whole `chat.completion`. `reply`: the answer as a Jinja template's parser split it.
+pub fn chat_completion(
+    head: &Head,
+    out: &Output,
+    reply: Option<&ChatReply>,
+    logprobs: Option<Vec<Value>>,
+) -> Value {
     with_head(
         head,
         json!({
             "choices": [{
                 "index": 0,
-                "message": { "role": "assistant", "content": out.text },
-                "finish_reason": out.finish_reason(),
+                "message": chat_message(&out.text, reply),
+                "finish_reason": chat_finish_reason(out, reply),
                 "logprobs": logprobs.map(|c| json!({ "content": c })),
             }],
             "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
             "timings": out.timings,
         }),
     )
+}
+
+/// The answer's message: its text, or its content, reasoning and tool calls as llama-server
+/// gives them (content null when only tools were called; reasoning only when there is some).
+fn chat_message(text: &str, reply: Option<&ChatReply>) -> Value {
+    let Some(reply) = reply else {
+        return json!({ "role": "assistant", "content": text });
+    };
+    let mut message = serde_json::Map::new();
+    message.insert("role".into(), "assistant".into());
+    let content = if reply.content.is_empty() && !reply.tool_calls.is_empty() {
+        Value::Null
+    } else {
+        Value::from(reply.content.as_str())
+    };
+    message.insert("content".into(), content);
+    if !reply.reasoning_content.is_empty() {
+        message.insert(
+            "reasoning_content".into(),
+            reply.reasoning_content.as_str().into(),
+        );
+    }
+    if !reply.tool_calls.is_empty() {
+        let calls: Vec<Value> = reply
+            .tool_calls
+            .iter()
+            .map(|c| {
+                json!({
+                    "type": "function",
+                    "id": c.id,
+                    "function": { "name": c.name, "arguments": c.arguments },
+                })
+            })
+            .collect();
+        message.insert("tool_calls".into(), calls.into());
+    }
+    Value::Object(message)
+}
+
+/// `tool_calls` when the answer called tools and was not cut short, as llama-server's.
+pub fn chat_finish_reason(out: &Output, reply: Option<&ChatReply>) -> &'static str {
+    let called = reply.is_some_and(|r| !r.tool_calls.is_empty());
+    match out.finish {
+        Some(FinishReason::Length | FinishReason::ContextFull) => out.finish_reason(),
+        _ if called => "tool_calls",
+        _ => out.finish_reason(),
+    }
+}
+
+/// The `delta` of one piece of a parsed reply: content, reasoning, or a piece of tool call
+/// `index` (with its id, type and name on its first piece), as llama-server streams them.
+pub fn reply_delta(d: &ReplyDelta) -> serde_json::Map<String, Value> {
+    let mut delta = serde_json::Map::new();
+    if !d.reasoning_content.is_empty() {
+        delta.insert(
+            "reasoning_content".into(),
+            d.reasoning_content.as_str().into(),
+        );
+    }
+    if !d.content.is_empty() {
+        delta.insert("content".into(), d.content.as_str().into());
+    }
+    if let (Some(index), Some(call)) = (d.tool_call_index, &d.tool_call) {
+        let mut tool_call = serde_json::Map::new();
+        tool_call.insert("index".into(), index.into());
+        if !call.id.is_empty() {
+            tool_call.insert("id".into(), call.id.as_str().into());
+            tool_call.insert("type".into(), "function".into());
+        }
+        let mut function = serde_json::Map::new();
+        if !call.name.is_empty() {
+            function.insert("name".into(), call.name.as_str().into());
+        }
+        function.insert("arguments".into(), call.arguments.as_str().into());
+        tool_call.insert("function".into(), function.into());
+        delta.insert("tool_calls".into(), json!([tool_call]));
+    }
+    delta
 }
 
 /// A whole `text_completion`, one choice per prompt.
@@ -381,6 +464,16 @@ pub fn chat_chunk(
     if let Some(c) = delta_content {
         delta.insert("content".into(), c.map_or(Value::Null, Value::from));
     }
+    chat_delta_chunk(head, delta, finish, logprobs)
+}
+
+/// One `chat.completion.chunk` carrying `delta`.
+pub fn chat_delta_chunk(
+    head: &Head,
+    delta: serde_json::Map<String, Value>,
+    finish: Option<&str>,
+    logprobs: Option<Vec<Value>>,
+) -> Value {
     with_head(
         head,
         json!({

@@ -14,7 +14,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use h2o_llama::{Token, TokenLogprobs};
+use h2o_llama::{ChatReply, ReplyDelta, ReplyParser, Token, TokenLogprobs};
 use serde_json::Value;
 
 use crate::engine::{EngineInfo, Event};
@@ -33,6 +33,9 @@ pub enum Format {
         head: Head,
         include_usage: bool,
         logprobs: bool,
+        /// A Jinja-rendered chat's reply parser: the stream sends what it parses (content,
+        /// reasoning, tool call pieces) rather than the raw text.
+        parser: Option<ReplyParser>,
     },
     Text {
         head: Head,
@@ -98,8 +101,14 @@ impl Format {
     }
 
     /// The closing events: the finish reason, OpenAI's usage chunk (with our timings) when the
-    /// client asked for it, and `[DONE]`.
-    fn finish(&self, out: &Output, spell: &dyn Spell, prompt_text: &str) -> Vec<SseEvent> {
+    /// client asked for it, and `[DONE]`. `reply`: the whole answer as the parser split it.
+    fn finish(
+        &self,
+        out: &Output,
+        spell: &dyn Spell,
+        prompt_text: &str,
+        reply: Option<&ChatReply>,
+    ) -> Vec<SseEvent> {
         let reason = out.finish_reason();
         match self {
             Format::Chat {
@@ -107,6 +116,7 @@ impl Format {
                 include_usage,
                 ..
             } => {
+                let reason = response::chat_finish_reason(out, reply);
                 let mut chunk = response::chat_chunk(head, false, None, Some(reason), None);
                 chunk["timings"] = serde_json::json!(out.timings);
                 let mut events = vec![Self::json(&chunk)];
@@ -172,6 +182,8 @@ struct StreamState {
     ending: Ending,
     /// What has gone out so far, for the closing event's counts and the text offsets.
     out: Output,
+    /// Log-probabilities of tokens whose text the reply parser has not yet turned into a chunk.
+    unsent_probs: Vec<TokenLogprobs>,
 }
 
 impl Drop for StreamState {
@@ -234,7 +246,21 @@ impl StreamState {
                     tokens,
                     probs,
                 } => {
-                    if !text.is_empty() {
+                    if let Format::Chat {
+                        head,
+                        logprobs,
+                        parser: Some(parser),
+                        ..
+                    } = &mut self.format
+                    {
+                        self.unsent_probs.extend(probs);
+                        // a reply cut where the format cannot yet tell what it is parses later
+                        if let Ok((_, deltas)) = parser.update(&self.out.text, true) {
+                            let logprobs = *logprobs;
+                            let head = head.clone();
+                            self.send_deltas(&head, &deltas, logprobs);
+                        }
+                    } else if !text.is_empty() {
                         // the text's offset: where it starts in what has gone out
                         let offset = self.out.text.len() - text.len();
                         let event = self.format.piece(
@@ -249,10 +275,30 @@ impl StreamState {
                     }
                 }
                 Event::Done { .. } => {
+                    let mut reply = None;
+                    if let Format::Chat {
+                        head,
+                        logprobs,
+                        parser: Some(parser),
+                        ..
+                    } = &mut self.format
+                    {
+                        // the last pieces: text held back while the reply was partial; a reply
+                        // the format does not take ends with what went out
+                        if let Ok((whole, deltas)) = parser.update(&self.out.text, false) {
+                            let logprobs = *logprobs;
+                            let head = head.clone();
+                            self.send_deltas(&head, &deltas, logprobs);
+                            reply = Some(whole);
+                        }
+                    }
                     let prompt_text = prompt_text(self.spell.as_ref(), &self.out.prompt);
-                    let events = self
-                        .format
-                        .finish(&self.out, self.spell.as_ref(), &prompt_text);
+                    let events = self.format.finish(
+                        &self.out,
+                        self.spell.as_ref(),
+                        &prompt_text,
+                        reply.as_ref(),
+                    );
                     self.queue.extend(events);
                     self.ending = Ending::Done;
                 }
@@ -260,6 +306,21 @@ impl StreamState {
                 // follows, so none of them takes the text so far for a complete answer
                 Event::Failed(e) => self.fail(&job_error(&e, self.run.prompt_param)),
             }
+        }
+    }
+
+    /// One chunk per parsed piece; the first carries the log-probabilities of the tokens since
+    /// the last chunk.
+    fn send_deltas(&mut self, head: &Head, deltas: &[ReplyDelta], logprobs: bool) {
+        for d in deltas {
+            let probs = std::mem::take(&mut self.unsent_probs);
+            let chunk = response::chat_delta_chunk(
+                head,
+                response::reply_delta(d),
+                None,
+                logprobs.then(|| response::prob_list(self.spell.as_ref(), &probs, false)),
+            );
+            self.queue.push_back(Format::json(&chunk));
         }
     }
 
@@ -291,6 +352,7 @@ pub fn respond(
         queue: VecDeque::new(),
         ending: Ending::Running,
         out: Output::default(),
+        unsent_probs: Vec::new(),
     };
     if let Some(e) = state.format.opening() {
         state.queue.push_back(e);

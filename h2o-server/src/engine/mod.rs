@@ -31,6 +31,11 @@ pub struct EngineConfig {
     /// `--chat-template`: one of llama.cpp's built-in templates by name, or a template's text,
     /// in place of the model's own.
     pub chat_template: Option<String>,
+    /// `--jinja`, `--no-jinja` or neither.
+    pub jinja: crate::jinja::JinjaMode,
+    /// Jinja source in place of the model's template for the Jinja path (`--chat-template-file`,
+    /// or a `--chat-template` that is Jinja text).
+    pub jinja_template: Option<String>,
     /// `--alias`, split at commas.
     pub aliases: Vec<String>,
     /// `--tags`, split at commas.
@@ -129,6 +134,15 @@ pub struct Sampling {
     /// GBNF every answer must follow (`grammar`, or made from `json_schema`/`response_format`),
     /// and the request field it came from, for the 400 when llama.cpp cannot parse it.
     pub grammar: Option<(String, &'static str)>,
+    /// `Some`: the grammar is lazy (a chat template's optional tool call), binding from the
+    /// first trigger on.
+    pub grammar_triggers: Option<h2o_llama::GrammarTriggers>,
+    /// Tokens the grammar takes before the first sampled one (a chat template's generation
+    /// prompt, which its tool call grammar starts with).
+    pub grammar_prefill: Vec<Token>,
+    /// Special tokens of a chat template's tool call format, kept in the answer's text for its
+    /// parser (others are left out, as llama-server does).
+    pub preserved_tokens: Vec<Token>,
     /// Log-probabilities of each generated token and of the `n_probs` most likely (0: none;
     /// `logprobs` asked with no top list: the token's own only).
     pub probs: Option<usize>,
@@ -385,6 +399,7 @@ pub struct EngineHandle {
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) slots: Arc<std::sync::Mutex<Vec<SlotView>>>,
     pub(crate) chat_template: Option<String>,
+    pub(crate) jinja: crate::jinja::Jinja,
     pub(crate) queue_capacity: usize,
     pub(crate) thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
@@ -409,12 +424,36 @@ impl EngineHandle {
             .clone()
     }
 
+    /// The server's Jinja chat templates (`--jinja`, `--no-jinja`).
+    #[must_use]
+    pub fn jinja(&self) -> &crate::jinja::Jinja {
+        &self.jinja
+    }
+
     /// The model's chat template applied to `messages`, with the assistant's turn opened
-    /// (`POST /apply-template`).
+    /// (`POST /apply-template`): the Jinja template under `--jinja`, else llama.cpp's built-in
+    /// one, as chat requests without tools are rendered.
     ///
     /// # Errors
     /// The template is not one llama.cpp knows, or a message has a NUL byte.
     pub fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
+        if self.jinja.mode == crate::jinja::JinjaMode::All {
+            let messages =
+                serde_json::to_value(messages).map_err(|e| JobError::Template(e.to_string()))?;
+            let fields = crate::jinja::ChatFields {
+                messages: &messages,
+                tools: &serde_json::Value::Null,
+                tool_choice: &serde_json::Value::Null,
+                parallel_tool_calls: None,
+                chat_template_kwargs: &serde_json::Value::Null,
+                reasoning_format: None,
+            };
+            return self
+                .jinja
+                .render(&fields)
+                .map(|r| r.prompt)
+                .map_err(|e| JobError::Template(e.message));
+        }
         worker::render_chat(&self.model, self.chat_template.as_deref(), messages)
     }
 

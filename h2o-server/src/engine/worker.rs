@@ -11,10 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use h2o_llama::{
-    ChatMessage, H2oConfig, H2oState, Model, ModelParams, ParallelSession, Sampler, SamplerConfig,
-    SessionConfig, Token, TokenLogprobs,
+    ChatMessage, ChatTemplates, H2oConfig, H2oState, Model, ModelParams, ParallelSession, Sampler,
+    SamplerConfig, SessionConfig, Token, TokenLogprobs,
 };
 use tokio::sync::mpsc::UnboundedSender;
+
+use crate::jinja::{Jinja, JinjaMode};
 
 use super::{
     EngineConfig, EngineHandle, EngineInfo, Event, FinishReason, Job, JobError, JobTimings,
@@ -54,6 +56,7 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
             n_gpu_layers: config.n_gpu_layers,
         },
     )?);
+    let jinja = jinja_templates(&model, &config)?;
     let metrics = Arc::new(Metrics::default());
     let config_queue = config.queue_capacity;
     let chat_template = config.chat_template.clone();
@@ -92,8 +95,34 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
         metrics,
         slots,
         chat_template,
+        jinja,
         queue_capacity: config_queue,
         thread: Arc::new(Mutex::new(Some(thread))),
+    })
+}
+
+/// The Jinja templates (`--chat-template-file`'s, or the model's). Their failure stops the
+/// server when `--jinja` or a template file asked for them; otherwise it is the answer to
+/// requests with tools.
+fn jinja_templates(model: &Arc<Model>, config: &EngineConfig) -> Result<Jinja, h2o_llama::Error> {
+    let templates = match config.jinja {
+        JinjaMode::Off => Err("--no-jinja".to_string()),
+        JinjaMode::Tools | JinjaMode::All => {
+            match ChatTemplates::new(Arc::clone(model), config.jinja_template.as_deref()) {
+                Ok(t) => Ok(Arc::new(t)),
+                Err(e) if config.jinja == JinjaMode::All || config.jinja_template.is_some() => {
+                    return Err(h2o_llama::Error::InvalidConfig(format!(
+                        "the Jinja chat template: {}",
+                        e.to_string().trim_start_matches("invalid configuration: ")
+                    )))
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    };
+    Ok(Jinja {
+        mode: config.jinja,
+        templates,
     })
 }
 
@@ -515,6 +544,8 @@ impl<'m> Engine<'m> {
                 seed: s.seed,
                 logit_bias,
                 grammar: s.grammar.as_ref().map(|(g, _)| g.clone()),
+                grammar_triggers: s.grammar_triggers.clone(),
+                grammar_prefill: s.grammar_prefill.clone(),
             };
             let sampler = match Sampler::for_model(self.session.model(), &config) {
                 Ok(sm) => sm,
@@ -791,7 +822,8 @@ impl<'m> Engine<'m> {
         a.generated += 1;
         a.unsent_tokens.push(token);
         Metrics::add(&self.metrics.generated_tokens_total, 1);
-        match model.token_bytes(token, false) {
+        let special = a.job.sampling.preserved_tokens.contains(&token);
+        match model.token_bytes(token, special) {
             Ok(bytes) => a.pending_bytes.extend(bytes),
             Err(e) => return self.fail(slot, JobError::Engine(e.to_string())),
         }

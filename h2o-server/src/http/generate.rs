@@ -28,7 +28,7 @@ pub async fn chat(
     ApiJson(body): ApiJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
     let info = state.engine.info();
-    let (job, delivery) = body.into_job(info)?;
+    let (job, mut delivery) = body.into_job(info, state.engine.jinja())?;
     let run = Run::start(&state, job, "messages", request).await?;
     let object = if delivery.stream {
         "chat.completion.chunk"
@@ -41,6 +41,7 @@ pub async fn chat(
             head,
             include_usage: delivery.include_usage,
             logprobs: delivery.probs,
+            parser: delivery.reply_parser.take(),
         };
         return Ok(sse::respond(run, format, state.spell(), delivery.progress));
     }
@@ -48,8 +49,14 @@ pub async fn chat(
     let logprobs = delivery
         .probs
         .then(|| response::prob_list(state.spell().as_ref(), &out.probs, false));
+    // a reply the template's format does not take is sent as text, as it came
+    let reply = delivery
+        .reply_parser
+        .as_mut()
+        .and_then(|p| p.update(&out.text, false).ok())
+        .map(|(reply, _)| reply);
     Ok(json_with_stats(
-        &response::chat_completion(&head, &out, logprobs),
+        &response::chat_completion(&head, &out, reply.as_ref(), logprobs),
         stats,
     ))
 }

@@ -64,6 +64,9 @@ fn default_sampling(state: &Shared) -> Sampling {
         logit_bias: Vec::new(),
         logit_bias_text: Vec::new(),
         grammar: None,
+        grammar_triggers: None,
+        grammar_prefill: Vec::new(),
+        preserved_tokens: Vec::new(),
         probs: None,
     }
 }

@@ -28,6 +28,8 @@ struct Fake {
     cancelled: Arc<AtomicU64>,
     /// The last job submitted.
     last: std::sync::Mutex<Option<Job>>,
+    /// No model, so no Jinja templates: requests with tools are 400.
+    jinja: crate::jinja::Jinja,
 }
 
 impl Fake {
@@ -52,6 +54,10 @@ impl Fake {
             active: Arc::new(AtomicUsize::new(0)),
             cancelled: Arc::new(AtomicU64::new(0)),
             last: std::sync::Mutex::new(None),
+            jinja: crate::jinja::Jinja {
+                mode: crate::jinja::JinjaMode::Tools,
+                templates: Err("the fake engine has no model".into()),
+            },
         }
     }
 }
@@ -86,6 +92,10 @@ fn prompt_text(job: &Job) -> String {
 }
 
 impl Engine for Fake {
+    fn jinja(&self) -> &crate::jinja::Jinja {
+        &self.jinja
+    }
+
     fn slots(&self) -> Vec<SlotView> {
         let busy = self.active.load(Ordering::SeqCst);
         (0..self.info.n_parallel)
