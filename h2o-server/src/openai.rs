@@ -209,8 +209,9 @@ pub struct Delivery {
     pub response_fields: Option<Vec<String>>,
     /// `return_progress`: `prompt_progress` events in a stream.
     pub progress: bool,
-    /// A Jinja-rendered chat's reply parser: the answer's content and tool calls come from it.
-    pub reply_parser: Option<ReplyParser>,
+    /// A Jinja-rendered chat's reply parsers, one per choice: the answers' content and tool
+    /// calls come from them (empty: the answers are text).
+    pub reply_parsers: Vec<ReplyParser>,
 }
 
 impl ChatRequest {
@@ -218,8 +219,16 @@ impl ChatRequest {
     ///
     /// # Errors
     /// A 400 naming the first bad field.
-    pub fn into_job(self, info: &EngineInfo, jinja: &Jinja) -> Result<(Job, Delivery), ApiError> {
-        check_n(self.n)?;
+    /// The jobs this request asks for: one per choice (`n`).
+    ///
+    /// # Errors
+    /// A 400 naming the first bad field.
+    pub fn into_jobs(
+        self,
+        info: &EngineInfo,
+        jinja: &Jinja,
+    ) -> Result<(Vec<Job>, Delivery), ApiError> {
+        let n = check_n(self.n, self.stream)?;
         // both given: the newer name wins, as in OpenAI's API
         let (max_param, max) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(m), _) => ("max_completion_tokens", Some(m)),
@@ -236,20 +245,24 @@ impl ChatRequest {
             }
             _ => None,
         };
+        // one render per choice: each reply has a parser of its own
         let rendered = if jinja.renders(jinja::is_given(&self.tools))? {
             check_messages(&self.messages)?;
-            Some(jinja.render(&ChatFields {
+            let fields = ChatFields {
                 messages: &self.messages,
                 tools: &self.tools,
                 tool_choice: &self.tool_choice,
                 parallel_tool_calls: self.parallel_tool_calls,
                 chat_template_kwargs: &self.chat_template_kwargs,
                 reasoning_format: self.reasoning_format.as_deref(),
-            })?)
+            };
+            (0..n)
+                .map(|_| jinja.render(&fields))
+                .collect::<Result<Vec<_>, _>>()?
         } else {
-            None
+            Vec::new()
         };
-        let prompt = match &rendered {
+        let prompt = match rendered.first() {
             Some(r) => Prompt::Text(r.prompt.clone()),
             None => {
                 // read as the body's own field, so that an error names the message at fault
@@ -272,15 +285,15 @@ impl ChatRequest {
             }
             job.sampling.grammar = Some(g);
         }
-        if let Some(r) = &rendered {
+        if let Some(r) = rendered.first() {
             r.configure(&mut job.sampling)?;
         }
         job.sampling.probs = top;
         let mut d = delivery(self.stream, self.stream_options.as_ref(), &self.common);
         d.probs = top.is_some();
-        d.reply_parser = rendered.map(|r| r.parser);
+        d.reply_parsers = rendered.into_iter().map(|r| r.parser).collect();
         job.progress = d.progress;
-        Ok((job, d))
+        Ok((choices(job, n), d))
     }
 }
 
@@ -321,7 +334,7 @@ impl CompletionRequest {
     /// A 400 naming the first bad field.
     pub fn into_job(self, info: &EngineInfo) -> Result<(Vec<Job>, Delivery), ApiError> {
         let prompts = prompts(&self.prompt, info)?;
-        check_n(self.n)?;
+        let n = check_n(self.n, self.stream)?;
         if self.echo == Some(true) {
             return Err(ApiError::field(
                 "echo",
@@ -336,6 +349,8 @@ impl CompletionRequest {
         let mut d = delivery(self.stream, self.stream_options.as_ref(), &self.common);
         d.probs = probs.is_some();
         let jobs = jobs(prompts, &self.common, max_tokens, probs, &d, info)?;
+        // OpenAI's order: the choices of the first prompt, then the second's
+        let jobs = jobs.into_iter().flat_map(|j| choices(j, n)).collect();
         Ok((jobs, d))
     }
 }
@@ -484,14 +499,36 @@ fn schema_grammar(schema: &Value, param: &'static str) -> Result<(String, &'stat
         })
 }
 
-fn check_n(n: Option<i64>) -> Result<(), ApiError> {
-    match n {
-        None | Some(1) => Ok(()),
-        Some(n) => Err(ApiError::field(
+/// Most choices one request may ask for.
+const MAX_CHOICES: i64 = 16;
+
+/// OpenAI's `n`: how many choices, each a job of its own (whole answers only).
+fn check_n(n: Option<i64>, stream: Option<bool>) -> Result<usize, ApiError> {
+    let n = n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
+        return Err(ApiError::field(
             "n",
-            format!("n = {n} is not supported: this server returns one choice per request (n = 1)"),
-        )),
+            format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
+        ));
     }
+    if n > 1 && stream == Some(true) {
+        return Err(ApiError::field(
+            "n",
+            format!("n = {n} choices are answered whole: send stream: false, or n = 1"),
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// `n` copies of `job`, each sampled with its own seed (the request's seed, plus its index).
+fn choices(job: Job, n: usize) -> Vec<Job> {
+    (0..n)
+        .map(|i| {
+            let mut j = job.clone();
+            j.sampling.seed = job.sampling.seed.wrapping_add(i as u32);
+            j
+        })
+        .collect()
 }
 
 /// A conversation's messages, checked: at least one, each with a known role and text content,
@@ -1016,12 +1053,16 @@ mod tests {
     }
 
     fn chat(body: Value, h2o: bool) -> Result<(Job, Delivery), ApiError> {
+        chats(body, h2o).map(|(mut jobs, d)| (jobs.remove(0), d))
+    }
+
+    fn chats(body: Value, h2o: bool) -> Result<(Vec<Job>, Delivery), ApiError> {
         // no model here: the Jinja templates are out of reach, requests with tools are 400
         let jinja = Jinja {
             mode: crate::jinja::JinjaMode::Tools,
             templates: Err("no model in unit tests".into()),
         };
-        parse::<ChatRequest>(&body).into_job(&info(h2o), &jinja)
+        parse::<ChatRequest>(&body).into_jobs(&info(h2o), &jinja)
     }
 
     fn param_of(r: Result<(Job, Delivery), ApiError>) -> String {
@@ -1054,6 +1095,20 @@ mod tests {
         assert_eq!(job.sampling.seed, 5);
         assert_eq!(job.sampling.stop, vec!["\n".to_string()]);
         assert!(d.stream && d.include_usage);
+    }
+
+    #[test]
+    fn n_choices_are_jobs_with_their_own_seeds() {
+        let user = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let (jobs, _) = chats(
+            serde_json::json!({"messages": user, "n": 3, "seed": 7}),
+            false,
+        )
+        .unwrap();
+        let seeds: Vec<u32> = jobs.iter().map(|j| j.sampling.seed).collect();
+        assert_eq!(seeds, [7, 8, 9]);
+        let (jobs, _) = chats(serde_json::json!({"messages": user}), false).unwrap();
+        assert_eq!(jobs.len(), 1);
     }
 
     #[test]
@@ -1128,7 +1183,12 @@ mod tests {
                 "stop",
             ),
             (serde_json::json!({"messages": user, "stop": [""]}), "stop"),
-            (serde_json::json!({"messages": user, "n": 2}), "n"),
+            (
+                serde_json::json!({"messages": user, "n": 2, "stream": true}),
+                "n",
+            ),
+            (serde_json::json!({"messages": user, "n": 0}), "n"),
+            (serde_json::json!({"messages": user, "n": 17}), "n"),
             (
                 serde_json::json!({"messages": user, "h2o_select": "hybrid"}),
                 "h2o_select",

@@ -329,24 +329,30 @@ pub fn progress_chunk(total: usize, cache: usize, processed: usize, time_ms: f64
     })
 }
 
-/// A whole `chat.completion`. `reply`: the answer as a Jinja template's parser split it.
-pub fn chat_completion(
-    head: &Head,
-    out: &Output,
-    reply: Option<&ChatReply>,
-    logprobs: Option<Vec<Value>>,
-) -> Value {
+/// One choice of a whole chat answer: what its job produced, its reply as a Jinja template's
+/// parser split it, and its log-probabilities when asked for.
+pub struct ChatChoice {
+    pub out: Output,
+    pub reply: Option<ChatReply>,
+    pub logprobs: Option<Vec<Value>>,
+}
+
+/// A whole `chat.completion`, one choice per job (`n`). The prompt counts once in `usage`, as
+/// OpenAI counts it; the completions add up.
+pub fn chat_completion(head: &Head, choices: &[ChatChoice]) -> Value {
+    let prompt_tokens = choices.first().map_or(0, |c| c.out.prompt_tokens);
+    let completion_tokens = choices.iter().map(|c| c.out.completion_tokens).sum();
     with_head(
         head,
         json!({
-            "choices": [{
-                "index": 0,
-                "message": chat_message(&out.text, reply),
-                "finish_reason": chat_finish_reason(out, reply),
-                "logprobs": logprobs.map(|c| json!({ "content": c })),
-            }],
-            "usage": Usage::new(out.prompt_tokens, out.completion_tokens),
-            "timings": out.timings,
+            "choices": choices.iter().enumerate().map(|(i, c)| json!({
+                "index": i,
+                "message": chat_message(&c.out.text, c.reply.as_ref()),
+                "finish_reason": chat_finish_reason(&c.out, c.reply.as_ref()),
+                "logprobs": c.logprobs.as_ref().map(|l| json!({ "content": l })),
+            })).collect::<Vec<_>>(),
+            "usage": Usage::new(prompt_tokens, completion_tokens),
+            "timings": choices.last().map(|c| &c.out.timings),
         }),
     )
 }

@@ -502,7 +502,7 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
         ),
         (
             chat,
-            bytes(json!({"messages": ok_messages, "n": 3})),
+            bytes(json!({"messages": ok_messages, "n": 3, "stream": true})),
             400,
             "invalid_request_error",
             Some("n"),

@@ -442,3 +442,46 @@ fn a_saved_slot_restored_elsewhere_continues_its_conversation() {
     assert_eq!(r.status(), 501);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn n_choices_come_back_together() {
+    let server = Server::start(SHAPE);
+    let (status, v) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": user("Name a fruit."), "n": 3, "max_tokens": 4, "seed": 5}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{v}");
+        assert_eq!(c["message"]["role"], "assistant");
+        assert!(c["message"]["content"].is_string(), "{v}");
+        assert!(c["finish_reason"].is_string(), "{v}");
+    }
+    let completion = v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(
+        (3..=12).contains(&completion),
+        "three choices of 1 to 4 tokens: {v}"
+    );
+
+    // the legacy endpoint: the first prompt's choices, then the second's
+    let (status, v) = post(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": ["One", "Two"], "n": 2, "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{v}");
+
+    // a stream carries one choice
+    let (status, v) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": user("Hi"), "n": 2, "stream": true}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "n");
+}

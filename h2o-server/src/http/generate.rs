@@ -28,8 +28,7 @@ pub async fn chat(
     ApiJson(body): ApiJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
     let info = state.engine.info();
-    let (job, mut delivery) = body.into_job(info, state.engine.jinja())?;
-    let run = Run::start(&state, job, "messages", request).await?;
+    let (mut jobs, mut delivery) = body.into_jobs(info, state.engine.jinja())?;
     let object = if delivery.stream {
         "chat.completion.chunk"
     } else {
@@ -37,26 +36,39 @@ pub async fn chat(
     };
     let head = Head::new("chatcmpl", object, info);
     if delivery.stream {
+        // a stream has one choice (n > 1 is refused with stream)
+        let run = Run::start(&state, jobs.remove(0), "messages", request).await?;
         let format = sse::Format::Chat {
             head,
             include_usage: delivery.include_usage,
             logprobs: delivery.probs,
-            parser: delivery.reply_parser.take(),
+            parser: delivery.reply_parsers.pop(),
         };
         return Ok(sse::respond(run, format, state.spell(), delivery.progress));
     }
-    let (out, stats) = run.collect().await?;
-    let logprobs = delivery
-        .probs
-        .then(|| response::prob_list(state.spell().as_ref(), &out.probs, false));
-    // a reply the template's format does not take is sent as text, as it came
-    let reply = delivery
-        .reply_parser
-        .as_mut()
-        .and_then(|p| p.update(&out.text, false).ok())
-        .map(|(reply, _)| reply);
+    let (outs, stats) = run_all(&state, jobs, "messages", &request).await?;
+    let spell = state.spell();
+    let mut parsers = delivery.reply_parsers.into_iter();
+    let choices: Vec<response::ChatChoice> = outs
+        .into_iter()
+        .map(|out| {
+            let logprobs = delivery
+                .probs
+                .then(|| response::prob_list(spell.as_ref(), &out.probs, false));
+            // a reply the template's format does not take is sent as text, as it came
+            let reply = parsers
+                .next()
+                .and_then(|mut p| p.update(&out.text, false).ok())
+                .map(|(reply, _)| reply);
+            response::ChatChoice {
+                out,
+                reply,
+                logprobs,
+            }
+        })
+        .collect();
     Ok(json_with_stats(
-        &response::chat_completion(&head, &out, reply.as_ref(), logprobs),
+        &response::chat_completion(&head, &choices),
         stats,
     ))
 }
@@ -80,7 +92,7 @@ pub async fn completions(
         return Ok(sse::respond(run, format, state.spell(), delivery.progress));
     }
     let spell = state.spell();
-    let (outs, stats) = run_all(&state, jobs, &request).await?;
+    let (outs, stats) = run_all(&state, jobs, "prompt", &request).await?;
     let outs: Vec<(Output, Option<Value>)> = outs
         .into_iter()
         .map(|o| {
@@ -125,7 +137,7 @@ pub async fn llama_completion(
         return Ok(sse::respond(run, format, spell, delivery.progress));
     }
     let n = jobs.len();
-    let (outs, stats) = run_all(&state, jobs, &request).await?;
+    let (outs, stats) = run_all(&state, jobs, "prompt", &request).await?;
     let mut answers: Vec<Value> = outs
         .iter()
         .zip(&settings)
@@ -161,11 +173,12 @@ pub async fn llama_completion(
 async fn run_all(
     state: &Shared,
     jobs: Vec<crate::engine::Job>,
+    prompt_param: &'static str,
     request: &RequestInfo,
 ) -> Result<(Vec<Output>, JobStats), ApiError> {
     let mut runs = Vec::with_capacity(jobs.len());
     for job in jobs {
-        runs.push(Run::start(state, job, "prompt", request.clone()).await?);
+        runs.push(Run::start(state, job, prompt_param, request.clone()).await?);
     }
     let results = futures_util::future::join_all(runs.into_iter().map(Run::collect)).await;
     let mut outs = Vec::with_capacity(results.len());
