@@ -342,3 +342,41 @@ fn a_saved_sequence_loads_into_another_and_its_next_prompt_is_a_fresh_prefills()
     let _ = std::fs::remove_file(&path);
     assert!(matches!(p.load_seq(1, &path), Err(Error::StateLoad { .. })));
 }
+
+#[test]
+fn a_shifted_sequence_drops_tokens_and_goes_on_as_a_fresh_prefill_of_what_remains() {
+    let m = common::model();
+    let prompt = &prompts()[0];
+    let mut p = ParallelSession::new(m, config(None), 1).unwrap();
+    let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
+    p.start_prompt(0, prompt, None).unwrap();
+    let mut done = 0;
+    while done < prompt.len() {
+        done += p.prefill(0, &prompt[done..], usize::MAX).unwrap();
+    }
+    // keep 4 tokens, drop 100: the cache keeps the rest at positions moved back by 100
+    p.shift_context(0, 4, 100).unwrap();
+    let remaining: Vec<Token> = prompt[..4].iter().chain(&prompt[104..]).copied().collect();
+    assert_eq!(p.tokens(0), remaining.as_slice());
+    let mut shifted = Vec::new();
+    let mut next = p.sample_last(&mut greedy);
+    for _ in 0..6 {
+        shifted.push(next);
+        p.decode(&[(0, next)]).unwrap();
+        next = p.sample_at(&mut greedy, 0);
+    }
+    // the same tokens evaluated afresh: the keys llama.cpp re-rotated give the same greedy text
+    assert_eq!(shifted, alone(&remaining, None)[..6]);
+
+    for (keep, drop) in [(0, 0), (150, 150)] {
+        let e = p.shift_context(0, keep, drop).expect_err("bad range");
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+    }
+    if let Some(h2o) = h2o() {
+        let mut p = ParallelSession::new(m, config(Some(h2o)), 1).unwrap();
+        p.start_prompt(0, prompt, None).unwrap();
+        p.prefill(0, &prompt[..200], usize::MAX).unwrap();
+        let e = p.shift_context(0, 4, 100).expect_err("H2O keeps positions");
+        assert!(e.to_string().contains("H2O"), "{e}");
+    }
+}

@@ -192,6 +192,13 @@ struct Cli {
     /// No Jinja templates: built-in templates only, and requests with tools are refused
     #[arg(long = "no-jinja")]
     no_jinja: bool,
+    /// When a generation fills its slot, drop half of what follows the request's n_keep tokens
+    /// and go on (llama-server's; full attention only: H2O keeps its memory sets by position)
+    #[arg(long = "context-shift", overrides_with = "no_context_shift")]
+    context_shift: bool,
+    /// A generation that fills its slot ends there (finish_reason "length", truncated)
+    #[arg(long = "no-context-shift")]
+    no_context_shift: bool,
     /// GET /slots (on by default)
     #[arg(long, overrides_with = "no_slots")]
     slots: bool,
@@ -307,6 +314,15 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         (None, Some(t)) if t.contains("{%") || t.contains("{{") => Some(t.clone()),
         (None, _) => None,
     };
+    if cli.context_shift && h2o.is_some() {
+        return Err(Error::InvalidConfig(
+            "--context-shift moves cached positions, and H2O keeps its memory sets and scores by \
+             position: use full attention (no --h2o-local/--h2o-heavy) or leave out \
+             --context-shift"
+                .into(),
+        )
+        .into());
+    }
     if cli.no_jinja && cli.chat_template_file.is_some() {
         return Err(Error::InvalidConfig(
             "--chat-template-file is a Jinja template, and --no-jinja turns those off: drop one"
@@ -391,6 +407,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
             JinjaMode::Tools
         },
         jinja_template,
+        context_shift: cli.context_shift,
         aliases: comma_list(cli.alias.as_deref()),
         tags: comma_list(cli.tags.as_deref()),
         defaults: RequestDefaults {

@@ -158,6 +158,9 @@ pub struct Common {
     /// Reuse the slot's cached prefix (default: yes).
     #[serde(default)]
     pub cache_prompt: Option<bool>,
+    /// Tokens a context shift keeps (llama-server's; -1: the prompt).
+    #[serde(default)]
+    pub n_keep: Option<i64>,
     /// H2O overrides for this request (extensions of this server).
     #[serde(default)]
     pub h2o_select: Option<String>,
@@ -418,6 +421,16 @@ fn job(
         h2o: h2o_overrides(common, info)?,
         progress: false,
         cache_prompt: common.cache_prompt.unwrap_or(true),
+        n_keep: match common.n_keep {
+            None => 0,
+            Some(n) if n >= -1 => n,
+            Some(n) => {
+                return Err(ApiError::field(
+                    "n_keep",
+                    format!("n_keep must be -1 (the whole prompt) or more, got {n}"),
+                ))
+            }
+        },
     })
 }
 

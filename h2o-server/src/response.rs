@@ -252,7 +252,7 @@ pub fn llama_final(
         "generation_settings": settings,
         "prompt": prompt_text,
         "has_new_line": out.text.contains('\n'),
-        "truncated": out.finish == Some(FinishReason::ContextFull),
+        "truncated": out.finish == Some(FinishReason::ContextFull) || out.timings.context_shifted,
         "stop_type": stop_type(out.finish),
         "stopping_word": "",
         "tokens_cached": out.timings.cache_n,

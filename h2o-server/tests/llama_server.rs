@@ -485,3 +485,51 @@ fn n_choices_come_back_together() {
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "n");
 }
+
+#[test]
+fn context_shift_lets_a_generation_go_past_its_slot() {
+    // a slot of 256 tokens, a prompt of about 200: 96 more tokens need a shift
+    let args = ["-c", "256", "-np", "1", "--context-shift"];
+    let server = Server::start(&args);
+    let prompt = long_text(200);
+    let body = json!({"prompt": prompt, "n_predict": 96, "temperature": 0});
+    let (status, v) = post(&server, "/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    let prompt_n = v["timings"]["prompt_n"].as_u64().unwrap();
+    assert!(prompt_n > 160 && prompt_n < 256, "{v}");
+    assert_eq!(v["truncated"], true, "{v}");
+    let predicted = v["timings"]["predicted_n"].as_u64().unwrap();
+    // the model may end the text itself; without a shift it could not pass the slot
+    assert!(
+        predicted == 96 || v["stop_type"] == "eos",
+        "{predicted} tokens: {v}"
+    );
+    drop(server);
+
+    // without it, the same request ends when the slot is full
+    let server = Server::start(&["-c", "256", "-np", "1"]);
+    let (status, v) = post(&server, "/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    if v["stop_type"] != "eos" {
+        assert_eq!(v["truncated"], true, "{v}");
+        // the last token is sampled from the full slot, not stored
+        assert!(
+            v["timings"]["predicted_n"].as_u64().unwrap() + prompt_n <= 257,
+            "{v}"
+        );
+    }
+    drop(server);
+
+    // H2O keeps its memory sets by position: the two are refused together, naming the flag
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
+        .args(["-m", &model_path(), "--port", "0", "--context-shift"])
+        .args(["--h2o-local", "16", "--h2o-heavy", "16"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--context-shift"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

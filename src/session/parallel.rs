@@ -347,6 +347,59 @@ impl<'m> ParallelSession<'m> {
         Ok(piece.len())
     }
 
+    /// Context shift (llama-server's `--context-shift`): drops `n_discard` tokens of sequence
+    /// `seq` after its first `n_keep` and moves the later ones back by as many positions
+    /// (llama.cpp re-rotates their keys), so that a generation that filled the sequence can go
+    /// on. The sequence's tokens follow; a next prompt reuses what still matches.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a bad sequence, a range past the sequence's end, a sequence
+    /// running H2O (its memory sets and scores are kept by position, which a shift would move)
+    /// or a model whose cache cannot shift positions.
+    pub fn shift_context(&mut self, seq: SeqId, n_keep: u32, n_discard: u32) -> Result<()> {
+        self.check_seq(seq)?;
+        let book = &self.seqs[seq as usize];
+        if book.h2o.is_some() {
+            return Err(Error::InvalidConfig(format!(
+                "sequence {seq} runs H2O, whose memory sets and scores are kept by position: its \
+                 context cannot be shifted"
+            )));
+        }
+        let n_past = book.n_past();
+        if n_discard == 0 || n_keep.saturating_add(n_discard) > n_past {
+            return Err(Error::InvalidConfig(format!(
+                "context shift of sequence {seq}: keep {n_keep} and drop {n_discard} of its \
+                 {n_past} tokens"
+            )));
+        }
+        // SAFETY: valid context and memory; seq < n_seq_max.
+        let mem = unsafe { sys::llama_get_memory(self.ctx.as_ptr()) };
+        // SAFETY: as above.
+        if !unsafe { sys::llama_memory_can_shift(mem) } {
+            return Err(Error::InvalidConfig(
+                "this model's KV cache cannot shift positions (llama.cpp's can_shift is false)"
+                    .into(),
+            ));
+        }
+        let (keep, end) = (n_keep as i32, (n_keep + n_discard) as i32);
+        // SAFETY: as above; positions within the sequence.
+        if !unsafe { sys::llama_memory_seq_rm(mem, seq as i32, keep, end) } {
+            return Err(Error::InvalidConfig(format!(
+                "llama.cpp could not drop positions {keep}..{end} of sequence {seq}"
+            )));
+        }
+        // SAFETY: as above.
+        unsafe {
+            sys::llama_memory_seq_add(mem, seq as i32, end, n_past as i32, -(n_discard as i32))
+        };
+        let book = &mut self.seqs[seq as usize];
+        book.tokens
+            .drain(n_keep as usize..(n_keep + n_discard) as usize);
+        book.prompt_end = book.prompt_end.min(n_keep);
+        book.fresh_until = book.fresh_until.min(n_keep);
+        Ok(())
+    }
+
     /// One decode step: each `(seq, token)` appended to its sequence, all in one `llama_decode`,
     /// with next-token logits for each; [`ParallelSession::sample_at`] with the step's index
     /// `i` samples the `i`-th.

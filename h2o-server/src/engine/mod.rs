@@ -33,6 +33,9 @@ pub struct EngineConfig {
     pub chat_template: Option<String>,
     /// `--jinja`, `--no-jinja` or neither.
     pub jinja: crate::jinja::JinjaMode,
+    /// `--context-shift`: a generation that fills its slot drops half of what follows the kept
+    /// tokens and goes on (full attention only).
+    pub context_shift: bool,
     /// Jinja source in place of the model's template for the Jinja path (`--chat-template-file`,
     /// or a `--chat-template` that is Jinja text).
     pub jinja_template: Option<String>,
@@ -167,6 +170,9 @@ pub struct Job {
     /// Reuse the slot's cached prefix (llama-server's `cache_prompt`, on by default); off, the
     /// prompt is evaluated whole.
     pub cache_prompt: bool,
+    /// Tokens a context shift keeps at the start (llama-server's `n_keep`; -1: the prompt), a
+    /// BOS besides.
+    pub n_keep: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,6 +222,9 @@ pub struct JobTimings {
     pub h2o_dense_tail_tokens: u32,
     pub h2o_memory_size: u32,
     pub h2o_policy: String,
+    /// The context was shifted to make room (llama-server's `truncated`).
+    #[serde(skip)]
+    pub context_shifted: bool,
 }
 
 /// What a job reports, in this order: `Started`, any number of `Token`, then `Done`; or

@@ -239,7 +239,7 @@ fn run(
             .map_or(0, |d| d.as_secs()),
     };
     // the slots are shown before the first request can ask for them
-    let engine = Engine::new(session, shared, config.chat_template);
+    let engine = Engine::new(session, shared, config.chat_template, config.context_shift);
     if ready.send(Ok(info)).is_err() {
         return;
     }
@@ -279,6 +279,8 @@ struct Active {
     unsent_probs: Vec<TokenLogprobs>,
     /// The job's number, for `/slots`.
     id_task: u64,
+    /// The slot's context was shifted to make room (`--context-shift`).
+    shifted: bool,
 }
 
 struct Engine<'m> {
@@ -291,11 +293,18 @@ struct Engine<'m> {
     views: Arc<Mutex<Vec<SlotView>>>,
     /// `--chat-template`: a built-in template's name or text in place of the model's.
     chat_template: Option<String>,
+    /// `--context-shift`.
+    context_shift: bool,
     next_task: u64,
 }
 
 impl<'m> Engine<'m> {
-    fn new(session: ParallelSession<'m>, shared: Shared, chat_template: Option<String>) -> Self {
+    fn new(
+        session: ParallelSession<'m>,
+        shared: Shared,
+        chat_template: Option<String>,
+        context_shift: bool,
+    ) -> Self {
         let n = session.n_seq() as usize;
         let this = Self {
             session,
@@ -305,6 +314,7 @@ impl<'m> Engine<'m> {
             stopping: shared.stopping,
             views: shared.slots,
             chat_template,
+            context_shift,
             next_task: 0,
         };
         this.publish_slots();
@@ -597,6 +607,7 @@ impl<'m> Engine<'m> {
                 unsent_tokens: Vec::new(),
                 unsent_probs: Vec::new(),
                 id_task: self.next_task,
+                shifted: false,
             });
             self.next_task += 1;
         }
@@ -852,8 +863,31 @@ impl<'m> Engine<'m> {
         a.held.drain(..a.held.len() - keep);
         send_text(a, out);
         let limit_reached = a.generated >= a.job.sampling.max_tokens as usize;
-        // the token goes into the sequence at the next decode step: it needs a free cell
-        if limit_reached || n_past >= n_ctx_slot {
+        // the token goes into the sequence at the next decode step: it needs a free cell, which
+        // a context shift makes
+        let full = n_past >= n_ctx_slot;
+        if full && !limit_reached && self.context_shift {
+            let n_keep = match a.job.n_keep {
+                -1 => a.prompt.len(),
+                n => usize::try_from(n).unwrap_or(0),
+            };
+            let bos = usize::from(a.prompt.first() == model.bos_token().as_ref());
+            // as llama-server: half of what follows the kept tokens goes
+            let n_keep = (n_keep + bos).min(n_past.saturating_sub(2));
+            let n_discard = (n_past - n_keep) / 2;
+            if self
+                .session
+                .shift_context(slot as u32, n_keep as u32, n_discard as u32)
+                .is_ok()
+            {
+                let a = self.slots[slot].as_mut().expect("active slot");
+                a.shifted = true;
+                a.phase = Phase::Generating { next: token };
+                return;
+            }
+        }
+        let a = self.slots[slot].as_mut().expect("active slot");
+        if limit_reached || full {
             let rest = std::mem::take(&mut a.held) + &String::from_utf8_lossy(&a.pending_bytes);
             a.pending_bytes.clear();
             send_text(a, rest);
@@ -939,6 +973,7 @@ impl<'m> Engine<'m> {
             h2o_dense_tail_tokens,
             h2o_memory_size,
             h2o_policy,
+            context_shifted: a.shifted,
         }
     }
 }
