@@ -105,21 +105,36 @@ impl Jinja {
         };
         let mut request = Map::new();
         request.insert("messages".into(), Value::Array(messages));
-        if has_tools {
-            request.insert("tools".into(), fields.tools.clone());
-        }
+        let mut tools = fields.tools.clone();
         match fields.tool_choice {
             Value::Null => {}
             Value::String(s) => {
                 request.insert("tool_choice".into(), json!(s));
             }
-            _ => {
-                return Err(ApiError::field(
-                    "tool_choice",
-                    "tool_choice must be \"auto\", \"required\" or \"none\" (llama.cpp's chat \
-                     templates cannot force one named function)",
-                ))
+            // OpenAI's form naming one function: that tool alone, and a call required
+            choice => {
+                let name = named_function(choice)?;
+                let named =
+                    |t: &&Value| t.pointer("/function/name").and_then(Value::as_str) == Some(name);
+                let one: Vec<Value> = tools
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(named)
+                    .cloned()
+                    .collect();
+                if one.is_empty() {
+                    return Err(ApiError::field(
+                        "tool_choice",
+                        format!("tool_choice names {name:?}, which is not one of the tools"),
+                    ));
+                }
+                tools = Value::Array(one);
+                request.insert("tool_choice".into(), json!("required"));
             }
+        }
+        if has_tools {
+            request.insert("tools".into(), tools);
         }
         if let Some(p) = fields.parallel_tool_calls {
             request.insert("parallel_tool_calls".into(), json!(p));
@@ -183,6 +198,21 @@ impl Rendered {
             }
         }
         Ok(())
+    }
+}
+
+/// The function `{"type": "function", "function": {"name": …}}` names.
+fn named_function(choice: &Value) -> Result<&str, ApiError> {
+    match (
+        choice.get("type").and_then(Value::as_str),
+        choice.pointer("/function/name").and_then(Value::as_str),
+    ) {
+        (Some("function"), Some(name)) => Ok(name),
+        _ => Err(ApiError::field(
+            "tool_choice",
+            "tool_choice must be \"auto\", \"required\", \"none\" or {\"type\": \"function\", \
+             \"function\": {\"name\": …}}",
+        )),
     }
 }
 

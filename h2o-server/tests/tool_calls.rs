@@ -127,6 +127,21 @@ fn a_tool_call_comes_back_whole_and_streamed_in_openais_shapes() {
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{last}");
 
+    // OpenAI's tool_choice naming one function: that tool alone goes to the template, called
+    let mut named = weather_request(false);
+    named["tools"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"type": "function", "function": {"name": "get_time", "parameters": {}}}));
+    named["tool_choice"] = json!({"type": "function", "function": {"name": "get_weather"}});
+    let (status, v) = post(&server, "/v1/chat/completions", &named);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(
+        v["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_weather",
+        "{v}"
+    );
+
     // the tool's result goes back as a tool message, and the conversation goes on in text
     let mut messages = weather_messages();
     let messages_list = messages.as_array_mut().unwrap();
@@ -175,9 +190,10 @@ fn tools_the_template_cannot_carry_and_bad_tool_fields_are_400() {
     for (change, param) in [
         (json!({"tool_choice": "sometimes"}), "tools"),
         (
-            json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
             "tool_choice",
         ),
+        (json!({"tool_choice": {"type": "tool"}}), "tool_choice"),
         (json!({"grammar": "root ::= \"a\""}), "grammar"),
         (json!({"tools": [{"type": "function"}]}), "tools"),
     ] {
