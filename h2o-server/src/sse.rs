@@ -184,6 +184,8 @@ struct StreamState {
     out: Output,
     /// Log-probabilities of tokens whose text the reply parser has not yet turned into a chunk.
     unsent_probs: Vec<TokenLogprobs>,
+    /// The content the reply parser's pieces have sent.
+    sent_content: String,
 }
 
 impl Drop for StreamState {
@@ -283,13 +285,29 @@ impl StreamState {
                         ..
                     } = &mut self.format
                     {
-                        // the last pieces: text held back while the reply was partial; a reply
-                        // the format does not take ends with what went out
-                        if let Ok((whole, deltas)) = parser.update(&self.out.text, false) {
-                            let logprobs = *logprobs;
-                            let head = head.clone();
-                            self.send_deltas(&head, &deltas, logprobs);
-                            reply = Some(whole);
+                        // the last pieces: text held back while the reply was partial
+                        let logprobs = *logprobs;
+                        let head = head.clone();
+                        match parser.update(&self.out.text, false) {
+                            Ok((whole, deltas)) => {
+                                self.send_deltas(&head, &deltas, logprobs);
+                                reply = Some(whole);
+                            }
+                            // a reply the format does not take goes out as text, as the whole
+                            // answer does: what the parser has not sent of it
+                            Err(_) => {
+                                if let Some(rest) = self.out.text.strip_prefix(&self.sent_content) {
+                                    let delta = ReplyDelta {
+                                        content: rest.to_string(),
+                                        reasoning_content: String::new(),
+                                        tool_call_index: None,
+                                        tool_call: None,
+                                    };
+                                    if !rest.is_empty() {
+                                        self.send_deltas(&head, &[delta], logprobs);
+                                    }
+                                }
+                            }
                         }
                     }
                     let prompt_text = prompt_text(self.spell.as_ref(), &self.out.prompt);
@@ -313,6 +331,7 @@ impl StreamState {
     /// the last chunk.
     fn send_deltas(&mut self, head: &Head, deltas: &[ReplyDelta], logprobs: bool) {
         for d in deltas {
+            self.sent_content.push_str(&d.content);
             let probs = std::mem::take(&mut self.unsent_probs);
             let chunk = response::chat_delta_chunk(
                 head,
@@ -353,6 +372,7 @@ pub fn respond(
         ending: Ending::Running,
         out: Output::default(),
         unsent_probs: Vec::new(),
+        sent_content: String::new(),
     };
     if let Some(e) = state.format.opening() {
         state.queue.push_back(e);
