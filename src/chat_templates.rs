@@ -82,6 +82,13 @@ impl ChatPrompt {
     }
 }
 
+/// A chat template's Jinja text and capabilities ([`ChatTemplates::info`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct ChatTemplateInfo {
+    pub source: String,
+    pub caps: std::collections::BTreeMap<String, bool>,
+}
+
 /// One tool call of a reply, as OpenAI's `tool_calls[i].function` with its `id`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct ToolCall {
@@ -215,6 +222,24 @@ impl ChatTemplates {
             return Err(e.expect_err("a NULL result is an error"));
         };
         Ok(Self { ptr, _model: model })
+    }
+
+    /// The default template's Jinja text and what it supports (`supports_tools`,
+    /// `supports_tool_calls`, `supports_system_role`, …), as llama-server's `/props` reports them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when common/'s chat library cannot say.
+    pub fn info(&self) -> Result<ChatTemplateInfo> {
+        // SAFETY: live templates; the entry point catches every C++ exception (NULL then).
+        let text = unsafe {
+            let result = sys::common_chat_c_templates_info(self.ptr.as_ptr());
+            take(
+                result,
+                std::ptr::null_mut(),
+                "the chat template's capabilities",
+            )?
+        };
+        from_json(&text)
     }
 
     /// Renders `request`, an object with llama-server's chat fields: `messages` (OpenAI's

@@ -55,7 +55,9 @@ pub use backend::set_log_echo;
 pub use capture::AttentionCapture;
 pub use chat::ChatMessage;
 #[cfg(not(feature = "stock"))]
-pub use chat_templates::{ChatPrompt, ChatReply, ChatTemplates, ReplyDelta, ReplyParser, ToolCall};
+pub use chat_templates::{
+    ChatPrompt, ChatReply, ChatTemplateInfo, ChatTemplates, ReplyDelta, ReplyParser, ToolCall,
+};
 pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{GrammarTriggers, Sampler, SamplerConfig, TokenLogprobs};

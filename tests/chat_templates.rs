@@ -74,6 +74,15 @@ fn the_models_own_template_renders_as_llama_cpps_built_in_one() {
         )
         .unwrap();
     assert_eq!(prompt.prompt, built_in);
+    let info = templates.info().unwrap();
+    assert_eq!(Some(info.source), m.chat_template());
+    assert_eq!(info.caps.get("supports_tool_calls"), Some(&false));
+    assert_eq!(info.caps.get("supports_system_role"), Some(&true));
+    let with_tools = ChatTemplates::new(Arc::clone(&m), Some(&tools_template())).unwrap();
+    assert_eq!(
+        with_tools.info().unwrap().caps.get("supports_tool_calls"),
+        Some(&true)
+    );
     assert!(
         prompt.grammar.is_empty(),
         "no tools, no schema: {:?}",

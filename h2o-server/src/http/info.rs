@@ -74,6 +74,13 @@ fn default_sampling(state: &Shared) -> Sampling {
 pub async fn props(State(state): State<Shared>) -> Json<Value> {
     let info = state.engine.info();
     let params = response::generation_settings(&default_sampling(&state), info);
+    let template = state
+        .engine
+        .jinja()
+        .templates
+        .as_ref()
+        .ok()
+        .and_then(|t| t.info().ok());
     Json(json!({
         "model_path": info.model_file,
         "model_alias": info.model_id,
@@ -87,6 +94,9 @@ pub async fn props(State(state): State<Shared>) -> Json<Value> {
         "n_ubatch": info.n_ubatch,
         "flash_attn": info.flash_attn.name(),
         "h2o": info.h2o,
+        // the Jinja template's text and capabilities, as llama-server's (null without them)
+        "chat_template": template.as_ref().map(|t| &t.source),
+        "chat_template_caps": template.as_ref().map(|t| &t.caps),
         "endpoint_slots": state.options.slots,
         "webui": state.options.webui,
         "system_fingerprint": response::system_fingerprint(),
