@@ -93,11 +93,15 @@ impl Jinja {
                     && last.get("role").and_then(Value::as_str) == Some("assistant")
                     && !is_given(last.get("tool_calls").unwrap_or(&Value::Null)) =>
             {
-                let text = last
-                    .get("content")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_string();
+                // a string, or text parts
+                let text = match last.get("content") {
+                    Some(Value::String(t)) => t.clone(),
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .collect(),
+                    _ => String::new(),
+                };
                 messages.pop();
                 text
             }
