@@ -13,7 +13,7 @@ use h2o_llama::{ChatPrompt, ChatTemplates, ReplyParser};
 use serde_json::{json, Map, Value};
 
 use crate::engine::Sampling;
-use crate::error::ApiError;
+use crate::error::{library_reason, ApiError};
 
 /// `--jinja`, `--no-jinja`, or neither.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +153,7 @@ impl Jinja {
             request.insert("reasoning_format".into(), json!(f));
         }
         let (chat, parser) = templates.apply(&Value::Object(request)).map_err(|e| {
-            let mut message = reason(e);
+            let mut message = library_reason(e);
             if message.contains("does not support tool calls") {
                 message.push_str(
                     ": start the server with --chat-template-file naming a template that has \
@@ -227,12 +227,5 @@ pub fn is_given(v: &Value) -> bool {
         Value::Array(a) => !a.is_empty(),
         Value::Object(o) => !o.is_empty(),
         _ => true,
-    }
-}
-
-fn reason(e: h2o_llama::Error) -> String {
-    match e {
-        h2o_llama::Error::InvalidConfig(m) => m,
-        other => other.to_string(),
     }
 }

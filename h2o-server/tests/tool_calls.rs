@@ -69,8 +69,14 @@ fn a_tool_call_comes_back_whole_and_streamed_in_openais_shapes() {
     let server = with_template(&[]);
     // /props shows the template and what it supports, as llama-server's
     let props = get_json(&server, "/props");
-    assert_eq!(props["chat_template_caps"]["supports_tool_calls"], true, "{props}");
-    assert!(props["chat_template"].as_str().unwrap().contains("tool_call"));
+    assert_eq!(
+        props["chat_template_caps"]["supports_tool_calls"], true,
+        "{props}"
+    );
+    assert!(props["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("tool_call"));
     let (status, v) = post(&server, "/v1/chat/completions", &weather_request(false));
     assert_eq!(status, 200, "{v}");
     let choice = &v["choices"][0];
@@ -175,7 +181,10 @@ fn tools_the_template_cannot_carry_and_bad_tool_fields_are_400() {
     // the model's own template (SmolLM2's ChatML) has no tool calls
     let server = Server::start(SHAPE);
     let props = get_json(&server, "/props");
-    assert_eq!(props["chat_template_caps"]["supports_tool_calls"], false, "{props}");
+    assert_eq!(
+        props["chat_template_caps"]["supports_tool_calls"], false,
+        "{props}"
+    );
     let (status, v) = post(&server, "/v1/chat/completions", &weather_request(false));
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["type"], "invalid_request_error");

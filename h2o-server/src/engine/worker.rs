@@ -16,6 +16,7 @@ use h2o_llama::{
 };
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::error::library_reason;
 use crate::jinja::{Jinja, JinjaMode};
 
 use super::{
@@ -113,7 +114,7 @@ fn jinja_templates(model: &Arc<Model>, config: &EngineConfig) -> Result<Jinja, h
                 Err(e) if config.jinja == JinjaMode::All || config.jinja_template.is_some() => {
                     return Err(h2o_llama::Error::InvalidConfig(format!(
                         "the Jinja chat template: {}",
-                        e.to_string().trim_start_matches("invalid configuration: ")
+                        library_reason(e)
                     )))
                 }
                 Err(e) => Err(e.to_string()),
@@ -560,10 +561,7 @@ impl<'m> Engine<'m> {
             let sampler = match Sampler::for_model(self.session.model(), &config) {
                 Ok(sm) => sm,
                 Err(e) => {
-                    let message = match e {
-                        h2o_llama::Error::InvalidConfig(m) => m,
-                        other => other.to_string(),
-                    };
+                    let message = library_reason(e);
                     let param = match &s.grammar {
                         Some((_, param)) if message.contains("grammar") => *param,
                         _ => "logit_bias",

@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::prompt::check_nul;
 use super::{json_kind, random_u64, Common};
 use crate::engine::{EngineInfo, H2oOverrides, Sampling};
-use crate::error::ApiError;
+use crate::error::{library_reason, ApiError};
 
 /// OpenAI's range for `temperature`.
 const MAX_TEMPERATURE: f64 = 2.0;
@@ -74,13 +74,7 @@ fn schema_grammar(schema: &Value, param: &'static str) -> Result<(String, &'stat
     }
     h2o_llama::grammars::from_json_schema(&schema.to_string())
         .map(|g| (g, param))
-        .map_err(|e| {
-            let message = match e {
-                h2o_llama::Error::InvalidConfig(m) => m,
-                other => other.to_string(),
-            };
-            ApiError::field(param, format!("{param}: {message}"))
-        })
+        .map_err(|e| ApiError::field(param, format!("{param}: {}", library_reason(e))))
 }
 
 /// The most tokens to generate: at least 1, at most a slot's context. Absent means until the end
@@ -325,13 +319,8 @@ pub(super) fn h2o_overrides(c: &Common, info: &EngineInfo) -> Result<H2oOverride
         .h2o_select
         .as_deref()
         .map(|s| {
-            s.parse::<Selection>().map_err(|e| {
-                let message = match e {
-                    h2o_llama::Error::InvalidConfig(m) => m,
-                    other => other.to_string(),
-                };
-                ApiError::field("h2o_select", message)
-            })
+            s.parse::<Selection>()
+                .map_err(|e| ApiError::field("h2o_select", library_reason(e)))
         })
         .transpose()?;
     let sink = c
