@@ -25,33 +25,11 @@ fn tools_template() -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// `tests/data/weather-call.json`: a tool, and a conversation that calls it once before asking.
 fn weather_request(tool_choice: &str) -> Value {
-    json!({
-        // one call and its result before the question: a model this small follows the example
-        "messages": [
-            {"role": "system", "content": "You answer every question by calling a function."},
-            {"role": "user", "content": "What is the weather in London?"},
-            {"role": "assistant", "content": null, "tool_calls": [{
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": "{\"city\": \"London\"}"}
-            }]},
-            {"role": "user", "content": "What is the weather in Paris?"}
-        ],
-        "tools": [{
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "The current weather in a city",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string"}},
-                    "required": ["city"]
-                }
-            }
-        }],
-        "tool_choice": tool_choice
-    })
+    let mut request: Value = serde_json::from_str(include_str!("data/weather-call.json")).unwrap();
+    request["tool_choice"] = json!(tool_choice);
+    request
 }
 
 #[test]

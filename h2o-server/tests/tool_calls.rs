@@ -25,32 +25,17 @@ fn with_template(extra: &[&str]) -> Server {
     Server::start(&args)
 }
 
-fn weather_tool() -> Value {
-    json!([{
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"]
-            }
-        }
-    }])
+/// `tests/data/weather-call.json`: a tool, and a conversation that calls it once before asking.
+fn weather_call() -> Value {
+    serde_json::from_str(include_str!("../../tests/data/weather-call.json")).unwrap()
 }
 
-/// A question after one example call: a model this small follows the example.
+fn weather_tool() -> Value {
+    weather_call()["tools"].clone()
+}
+
 fn weather_messages() -> Value {
-    json!([
-        {"role": "user", "content": "What is the weather in London?"},
-        {"role": "assistant", "content": null, "tool_calls": [{
-            "id": "call_1",
-            "type": "function",
-            "function": {"name": "get_weather", "arguments": "{\"city\": \"London\"}"}
-        }]},
-        {"role": "user", "content": "What is the weather in Paris?"}
-    ])
+    weather_call()["messages"].clone()
 }
 
 fn weather_request(stream: bool) -> Value {

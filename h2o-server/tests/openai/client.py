@@ -4,6 +4,7 @@ objects. Run by tests/openai_client.rs with the server's base URL; prints one li
 and exits non-zero at the first that fails."""
 
 import json
+import pathlib
 import sys
 import urllib.request
 
@@ -12,27 +13,11 @@ import openai
 BASE = sys.argv[1]
 client = openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0)
 
-WEATHER = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}]
-# one example call before the question: a model this small follows it
-WEATHER_CHAT = [
-    {"role": "user", "content": "What is the weather in London?"},
-    {"role": "assistant", "content": None, "tool_calls": [{
-        "id": "call_1", "type": "function",
-        "function": {"name": "get_weather", "arguments": "{\"city\": \"London\"}"},
-    }]},
-    {"role": "user", "content": "What is the weather in Paris?"},
-]
+# a tool, and a conversation that calls it once before asking (shared with the Rust tests)
+with open(pathlib.Path(__file__).resolve().parents[3] / "tests/data/weather-call.json") as f:
+    _weather = json.load(f)
+WEATHER = _weather["tools"]
+WEATHER_CHAT = _weather["messages"]
 
 
 def check(name, ok, detail=""):
