@@ -84,6 +84,10 @@ impl Default for SamplerConfig {
 #[derive(Debug)]
 pub struct Sampler {
     ptr: NonNull<sys::llama_sampler>,
+    /// The chain's cuts without its final draw (`logit_bias → top_k → top_p → temperature`, or
+    /// `logit_bias → temperature 0` for greedy): stateless, so applying it to a copy of a step's
+    /// candidates shows the distribution the draw picks from without moving its random state.
+    cuts: NonNull<sys::llama_sampler>,
     grammar: Option<NonNull<sys::llama_sampler>>,
     /// `SamplerConfig::grammar_prefill`, accepted again after a reset.
     grammar_prefill: Vec<Token>,
@@ -99,6 +103,7 @@ impl Drop for Sampler {
         // SAFETY: owned pointers, freed once; the chain frees the samplers added to it.
         unsafe {
             sys::llama_sampler_free(self.ptr.as_ptr());
+            sys::llama_sampler_free(self.cuts.as_ptr());
             if let Some(g) = self.grammar {
                 sys::llama_sampler_free(g.as_ptr());
             }
@@ -169,11 +174,23 @@ impl Sampler {
         // chain on llama_sampler_chain_add; the chain is owned by `Sampler` (dropped, and so
         // freed, on every early return below).
         unsafe {
-            let chain = sys::llama_sampler_chain_init(sys::llama_sampler_chain_default_params());
-            let chain = NonNull::new(chain)
-                .ok_or_else(|| Error::InvalidConfig("cannot create sampler".into()))?;
+            let new_chain = || {
+                NonNull::new(sys::llama_sampler_chain_init(
+                    sys::llama_sampler_chain_default_params(),
+                ))
+                .ok_or_else(|| Error::InvalidConfig("cannot create sampler".into()))
+            };
+            let chain = new_chain()?;
+            let cuts = match new_chain() {
+                Ok(cuts) => cuts,
+                Err(e) => {
+                    sys::llama_sampler_free(chain.as_ptr());
+                    return Err(e);
+                }
+            };
             let mut this = Self {
                 ptr: chain,
+                cuts,
                 grammar: None,
                 grammar_prefill: config.grammar_prefill.clone(),
                 candidates: Vec::new(),
@@ -185,14 +202,16 @@ impl Sampler {
                     .map(|&(token, bias)| sys::llama_logit_bias { token, bias })
                     .collect();
                 // llama.cpp copies the biases
-                sys::llama_sampler_chain_add(
-                    chain.as_ptr(),
-                    sys::llama_sampler_init_logit_bias(
-                        model.n_vocab() as i32,
-                        biases.len() as i32,
-                        biases.as_ptr(),
-                    ),
-                );
+                for target in [chain, cuts] {
+                    sys::llama_sampler_chain_add(
+                        target.as_ptr(),
+                        sys::llama_sampler_init_logit_bias(
+                            model.n_vocab() as i32,
+                            biases.len() as i32,
+                            biases.as_ptr(),
+                        ),
+                    );
+                }
             }
             if let (Some(model), Some(grammar)) = (model, &grammar) {
                 crate::backend::clear_recent_log();
@@ -247,23 +266,27 @@ impl Sampler {
             }
             if config.temperature <= 0.0 {
                 sys::llama_sampler_chain_add(chain.as_ptr(), sys::llama_sampler_init_greedy());
+                // temperature 0 keeps the largest logit alone, as greedy picks it
+                sys::llama_sampler_chain_add(cuts.as_ptr(), sys::llama_sampler_init_temp(0.0));
             } else {
-                if config.top_k > 0 {
+                for target in [chain, cuts] {
+                    if config.top_k > 0 {
+                        sys::llama_sampler_chain_add(
+                            target.as_ptr(),
+                            sys::llama_sampler_init_top_k(config.top_k),
+                        );
+                    }
+                    if config.top_p < 1.0 {
+                        sys::llama_sampler_chain_add(
+                            target.as_ptr(),
+                            sys::llama_sampler_init_top_p(config.top_p, 1),
+                        );
+                    }
                     sys::llama_sampler_chain_add(
-                        chain.as_ptr(),
-                        sys::llama_sampler_init_top_k(config.top_k),
+                        target.as_ptr(),
+                        sys::llama_sampler_init_temp(config.temperature),
                     );
                 }
-                if config.top_p < 1.0 {
-                    sys::llama_sampler_chain_add(
-                        chain.as_ptr(),
-                        sys::llama_sampler_init_top_p(config.top_p, 1),
-                    );
-                }
-                sys::llama_sampler_chain_add(
-                    chain.as_ptr(),
-                    sys::llama_sampler_init_temp(config.temperature),
-                );
                 sys::llama_sampler_chain_add(
                     chain.as_ptr(),
                     sys::llama_sampler_init_dist(config.seed),
@@ -366,6 +389,39 @@ impl Sampler {
         }
     }
 
+    /// The distribution the chain's final draw picked `token` from (llama-server's
+    /// `post_sampling_probs`): `logits` after the grammar (when there is one), the logit bias,
+    /// top-k, top-p and the temperature, normalized over what is left; with greedy sampling the
+    /// largest logit has probability 1. `top` lists the `n` likeliest, by that probability and
+    /// then by logit. Nothing is accepted and no random state moves.
+    pub fn post_sampling_probs(&mut self, logits: &[f32], token: Token, n: usize) -> TokenLogprobs {
+        let mut candidates: Vec<sys::llama_token_data> = logits
+            .iter()
+            .enumerate()
+            .map(|(id, &logit)| sys::llama_token_data {
+                id: id as Token,
+                logit,
+                p: 0.0,
+            })
+            .collect();
+        let mut array = sys::llama_token_data_array {
+            data: candidates.as_mut_ptr(),
+            size: candidates.len(),
+            selected: -1,
+            sorted: false,
+        };
+        // SAFETY: the array points into `candidates`, alive and unmoved for the calls; the
+        // samplers are live, and neither the grammar's nor the cuts' apply changes their state.
+        let kept = unsafe {
+            if let Some(g) = self.grammar {
+                sys::llama_sampler_apply(g.as_ptr(), &raw mut array);
+            }
+            sys::llama_sampler_apply(self.cuts.as_ptr(), &raw mut array);
+            std::slice::from_raw_parts(array.data, array.size)
+        };
+        TokenLogprobs::from_candidates(kept, logits, token, n)
+    }
+
     /// Forgets accepted tokens and re-seeds, so that a new generation starts fresh.
     pub fn reset(&mut self) {
         // SAFETY: valid samplers.
@@ -436,6 +492,50 @@ impl TokenLogprobs {
     }
 }
 
+impl TokenLogprobs {
+    /// Log-probabilities under the softmax of what a sampler chain kept (`candidates`, any
+    /// order; a logit of -inf has probability 0), with the `n` likeliest, ties (those the chain
+    /// cut to -inf) by the larger raw logit in `logits` and then the lower id. A token the chain
+    /// cut has log-probability -inf.
+    fn from_candidates(
+        candidates: &[sys::llama_token_data],
+        logits: &[f32],
+        token: Token,
+        n: usize,
+    ) -> Self {
+        let max = candidates
+            .iter()
+            .map(|c| c.logit)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = candidates
+            .iter()
+            .map(|c| (f64::from(c.logit) - f64::from(max)).exp())
+            .sum();
+        let log_z = f64::from(max) + sum.ln();
+        let logprob = |c: &sys::llama_token_data| (f64::from(c.logit) - log_z) as f32;
+        let mut order: Vec<&sys::llama_token_data> = candidates.iter().collect();
+        let raw = |c: &sys::llama_token_data| logits[c.id as usize];
+        order.sort_by(|a, b| {
+            b.logit
+                .total_cmp(&a.logit)
+                .then(raw(b).total_cmp(&raw(a)))
+                .then(a.id.cmp(&b.id))
+        });
+        Self {
+            token,
+            logprob: candidates
+                .iter()
+                .find(|c| c.id == token)
+                .map_or(f32::NEG_INFINITY, logprob),
+            top: order
+                .into_iter()
+                .take(n)
+                .map(|c| (c.id, logprob(c)))
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::TokenLogprobs;
@@ -454,5 +554,37 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-6);
         assert!(TokenLogprobs::from_logits(&logits, 0, 0).top.is_empty());
         assert_eq!(TokenLogprobs::from_logits(&logits, 0, 9).top.len(), 5);
+    }
+
+    #[test]
+    fn post_sampling_probs_follow_the_chain_without_moving_its_draw() {
+        use super::{Sampler, SamplerConfig};
+        let logits = [1.0_f32, 3.0, 2.0, 2.5, -1.0];
+        // greedy: the largest logit has it all; the others follow by logit, at 0
+        let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
+        let p = greedy.post_sampling_probs(&logits, 1, 3);
+        assert_eq!(p.logprob, 0.0);
+        assert_eq!(p.top[0], (1, 0.0));
+        let rest: Vec<i32> = p.top[1..].iter().map(|&(t, _)| t).collect();
+        assert_eq!(rest, vec![3, 2]);
+        assert!(p.top[1..].iter().all(|&(_, l)| l == f32::NEG_INFINITY));
+        // top-k 2 at temperature 1: a softmax over the two kept
+        let config = SamplerConfig {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            ..SamplerConfig::default()
+        };
+        let mut sampled = Sampler::new(&config).unwrap();
+        let p = sampled.post_sampling_probs(&logits, 3, 5);
+        let z = 3.0_f64.exp() + 2.5_f64.exp();
+        assert!((f64::from(p.logprob) - (2.5 - z.ln())).abs() < 1e-6);
+        assert_eq!(p.top.len(), 2, "the chain kept two: {p:?}");
+        assert_eq!(
+            sampled.post_sampling_probs(&logits, 0, 5).logprob,
+            f32::NEG_INFINITY
+        );
+        // asking twice gives the same answer: nothing was drawn
+        assert_eq!(sampled.post_sampling_probs(&logits, 3, 5), p);
     }
 }
