@@ -380,3 +380,65 @@ fn a_shifted_sequence_drops_tokens_and_goes_on_as_a_fresh_prefill_of_what_remain
         assert!(e.to_string().contains("H2O"), "{e}");
     }
 }
+
+#[test]
+fn sequences_of_a_unified_cache_share_its_cells() {
+    let m = common::model();
+    let prompt = &prompts()[0];
+    let n = 300;
+    assert!(prompt.len() >= n, "the test wants a prompt of {n} tokens");
+    let shared = SessionConfig {
+        n_ctx: 512,
+        ..config(None)
+    };
+    let mut p = ParallelSession::with_unified_cache(m, shared, 2).unwrap();
+    // one sequence may hold more than half of the cache, which per-sequence streams forbid
+    assert_eq!(p.n_ctx_seq(), 512);
+    p.start_prompt(0, &prompt[..n], None).unwrap();
+    let mut done = 0;
+    while done < n {
+        done += p.prefill(0, &prompt[done..n], usize::MAX).unwrap();
+    }
+    let mut greedy = Sampler::new(&SamplerConfig::greedy()).unwrap();
+    let first = p.sample_last(&mut greedy);
+    assert_eq!(
+        first,
+        alone(&prompt[..n], None)[0],
+        "the same first token as alone"
+    );
+    assert_eq!(p.unified_cells_free(), Some(512 - n));
+    // the other sequence finds only what is left: its prompt fits a sequence but not the cache
+    p.start_prompt(1, &prompt[..n], None).unwrap();
+    let mut refused = None;
+    let mut done = 0;
+    while done < n {
+        match p.prefill(1, &prompt[done..n], usize::MAX) {
+            Ok(k) => done += k,
+            Err(e) => {
+                refused = Some(e);
+                break;
+            }
+        }
+    }
+    let e = refused.expect("two prompts of 300 tokens cannot share 512 cells");
+    assert!(
+        matches!(e, Error::Decode(h2o_llama::DecodeError::NoKvSlot)),
+        "{e}"
+    );
+    // once the first lets its cells go, the second fits
+    p.clear(0).unwrap();
+    p.start_prompt(1, &prompt[..n], None).unwrap();
+    let mut done = 0;
+    while done < n {
+        done += p.prefill(1, &prompt[done..n], usize::MAX).unwrap();
+    }
+    assert_eq!(p.sample_last(&mut greedy), first);
+
+    let per_sequence = ParallelSession::new(m, config(None), 2).unwrap();
+    assert_eq!(per_sequence.unified_cells_free(), None);
+    if let Some(h2o) = h2o() {
+        let e = ParallelSession::with_unified_cache(m, config(Some(h2o)), 2)
+            .expect_err("H2O keeps its state per stream");
+        assert!(e.to_string().contains("--kv-unified"), "{e}");
+    }
+}

@@ -66,6 +66,8 @@ pub struct ParallelSession<'m> {
     batch: Batch,
     config: SessionConfig,
     n_ctx_seq: u32,
+    /// The sequences share one KV cache of `n_ctx_seq` cells ([`Self::with_unified_cache`]).
+    unified: bool,
     seqs: Vec<SeqBook>,
 }
 
@@ -97,6 +99,30 @@ impl<'m> ParallelSession<'m> {
     /// [`Error::InvalidConfig`] for bad parameters or `n_seq` outside `1..=256`;
     /// [`Error::ContextInit`] with llama.cpp's reason when it cannot create the context.
     pub fn new(model: &'m Model, config: SessionConfig, n_seq: u32) -> Result<Self> {
+        Self::create(model, config, n_seq, false)
+    }
+
+    /// Creates a context on `model` whose `n_seq` sequences share one KV cache of
+    /// `config.n_ctx` cells (llama.cpp's `kv_unified`, llama-server's `--kv-unified`): any of
+    /// them may grow to the whole cache while the others leave room, and a step that finds no
+    /// room fails with [`DecodeError::NoKvSlot`](crate::DecodeError::NoKvSlot).
+    ///
+    /// # Errors
+    /// As [`ParallelSession::new`]; with H2O, [`Error::InvalidConfig`]: each sequence keeps its
+    /// H2O state with its own KV stream, which a unified cache does not have.
+    pub fn with_unified_cache(model: &'m Model, config: SessionConfig, n_seq: u32) -> Result<Self> {
+        if config.h2o.is_some_and(|h| h.is_enabled()) {
+            return Err(Error::InvalidConfig(
+                "a unified KV cache (--kv-unified) holds every sequence in one stream, and H2O \
+                 keeps each sequence's scores and memory sets with its own stream: use full \
+                 attention or leave the cache per sequence"
+                    .into(),
+            ));
+        }
+        Self::create(model, config, n_seq, true)
+    }
+
+    fn create(model: &'m Model, config: SessionConfig, n_seq: u32, unified: bool) -> Result<Self> {
         config.validate()?;
         if config.capture_attention {
             return Err(Error::InvalidConfig(
@@ -123,9 +149,13 @@ impl<'m> ParallelSession<'m> {
             c => c,
         };
         let mut cp = super::context_params(&config);
-        cp.n_ctx = n_ctx_seq.saturating_mul(n_seq);
+        cp.n_ctx = if unified {
+            n_ctx_seq
+        } else {
+            n_ctx_seq.saturating_mul(n_seq)
+        };
         cp.n_seq_max = n_seq;
-        cp.kv_unified = false;
+        cp.kv_unified = unified;
         backend::clear_recent_log();
         // SAFETY: model outlives the context (lifetime 'm); ownership of the result is ours.
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
@@ -151,6 +181,7 @@ impl<'m> ParallelSession<'m> {
             batch: Batch::new(config.n_batch.max(n_seq)),
             config,
             n_ctx_seq,
+            unified,
             seqs: vec![SeqBook::empty(h2o); n_seq as usize],
         })
     }
@@ -176,6 +207,16 @@ impl<'m> ParallelSession<'m> {
     #[must_use]
     pub fn n_ctx_seq(&self) -> u32 {
         self.n_ctx_seq
+    }
+
+    /// Cells no sequence holds, when the sequences share one cache ([`Self::with_unified_cache`];
+    /// `None` with a stream per sequence, where each has its own `n_ctx_seq`).
+    #[must_use]
+    pub fn unified_cells_free(&self) -> Option<usize> {
+        self.unified.then(|| {
+            let used: usize = self.seqs.iter().map(|s| s.tokens.len()).sum();
+            (self.n_ctx_seq as usize).saturating_sub(used)
+        })
     }
 
     /// The tokens sequence `seq` holds, in order.
