@@ -134,6 +134,9 @@ pub struct Options {
     /// `--slot-save-path`: where `POST /slots/{id}?action=save|restore` keep their files
     /// (none: those answer 501).
     pub slot_save_path: Option<std::path::PathBuf>,
+    /// `--verbose`: whole OpenAI answers carry llama-server's `__verbose`, the first choice's
+    /// `/completion` answer (its prompt text among it), for debugging templates.
+    pub verbose: bool,
 }
 
 impl Options {
@@ -145,6 +148,7 @@ impl Options {
             slots: true,
             webui: true,
             slot_save_path: None,
+            verbose: false,
         }
     }
 }

@@ -31,6 +31,9 @@ pub enum JinjaMode {
 pub struct Jinja {
     pub mode: JinjaMode,
     pub templates: Result<Arc<ChatTemplates>, String>,
+    /// `--reasoning-format`: what a request that leaves `reasoning_format` out gets (None:
+    /// common/'s default).
+    pub reasoning_format: Option<String>,
 }
 
 /// The chat fields a Jinja render reads (the rest of the request is the job's).
@@ -149,7 +152,7 @@ impl Jinja {
                 fields.chat_template_kwargs.clone(),
             );
         }
-        if let Some(f) = fields.reasoning_format {
+        if let Some(f) = fields.reasoning_format.or(self.reasoning_format.as_deref()) {
             request.insert("reasoning_format".into(), json!(f));
         }
         let (chat, parser) = templates.apply(&Value::Object(request)).map_err(|e| {

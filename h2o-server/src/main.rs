@@ -57,6 +57,9 @@ Per request, the body fields h2o_select, h2o_sink and h2o_dense_tail override --
 Exit codes: 0 ok (also after SIGTERM or Ctrl-C), 2 bad flags, 3 bad parameters or address in
 use, 4 model problem, 5 llama.cpp or server failure, 130 interrupted during the model download.";
 
+/// -ub when the command line leaves it out (llama-server's default)
+const DEFAULT_UBATCH: u32 = 512;
+
 /// OpenAI-compatible HTTP server with H2O chunked sparse prefill, in the manner of llama-server.
 #[derive(Parser, Debug)]
 #[command(name = "h2o-server", version, about, after_help = EXAMPLES)]
@@ -75,9 +78,10 @@ struct Cli {
     /// Logical batch size: most tokens per llama_decode call (-b)
     #[arg(short = 'b', long, value_name = "N", default_value_t = 2048)]
     batch_size: u32,
-    /// Physical batch size, also the H2O chunk size S (-ub)
-    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512)]
-    ubatch_size: u32,
+    /// Physical batch size, also the H2O chunk size S (-ub) [default: 512, or -b when that is
+    /// smaller, as llama-server clamps it]
+    #[arg(long = "ubatch-size", value_name = "N")]
+    ubatch_size: Option<u32>,
     /// CPU threads [default: all cores]
     #[arg(short = 't', long, value_name = "N")]
     threads: Option<u32>,
@@ -199,6 +203,17 @@ struct Cli {
     /// A generation that fills its slot ends there (finish_reason "length", truncated)
     #[arg(long = "no-context-shift")]
     no_context_shift: bool,
+    /// One KV cache of -c cells shared by all slots (llama-server's): a slot may use what the
+    /// others leave, and a step that finds the cache full fails its requests (full attention
+    /// only: H2O keeps each slot's state with its own stream)
+    #[arg(long = "kv-unified")]
+    kv_unified: bool,
+    /// How a reply's reasoning (thinking) is returned when a chat request leaves
+    /// `reasoning_format` out: none (left in the content), deepseek (in reasoning_content),
+    /// deepseek-legacy, auto [default: common/'s, auto]
+    #[arg(long = "reasoning-format", value_name = "FORMAT",
+          value_parser = ["none", "deepseek", "deepseek-legacy", "auto"])]
+    reasoning_format: Option<String>,
     /// GET /slots (on by default)
     #[arg(long, overrides_with = "no_slots")]
     slots: bool,
@@ -214,7 +229,8 @@ struct Cli {
     /// No web page at / (404)
     #[arg(long = "no-webui")]
     no_webui: bool,
-    /// Echo llama.cpp's own log to stderr
+    /// Echo llama.cpp's own log to stderr, and add llama-server's `__verbose` (the
+    /// `/completion` answer, with the prompt's text) to whole OpenAI answers
     #[arg(short = 'v', long)]
     verbose: bool,
 }
@@ -323,6 +339,15 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         )
         .into());
     }
+    if cli.kv_unified && h2o.is_some() {
+        return Err(Error::InvalidConfig(
+            "--kv-unified holds every slot in one KV stream, and H2O keeps each slot's scores \
+             and memory sets with its own stream: use full attention (no \
+             --h2o-local/--h2o-heavy) or leave out --kv-unified"
+                .into(),
+        )
+        .into());
+    }
     if cli.no_jinja && cli.chat_template_file.is_some() {
         return Err(Error::InvalidConfig(
             "--chat-template-file is a Jinja template, and --no-jinja turns those off: drop one"
@@ -334,7 +359,11 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     if cli.parallel == 0 {
         return Err(Error::InvalidConfig("the slot count -np must be at least 1".into()).into());
     }
-    let per_slot = cli.ctx_size / cli.parallel;
+    let per_slot = if cli.kv_unified {
+        cli.ctx_size
+    } else {
+        cli.ctx_size / cli.parallel
+    };
     if cli.ctx_size > 0 && per_slot == 0 {
         return Err(Error::InvalidConfig(format!(
             "-c {} is smaller than -np {}: each slot gets -c / -np tokens; raise -c (or 0 for the \
@@ -361,12 +390,15 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         .into());
     }
     let n_threads = cli.threads.unwrap_or(SessionConfig::default().n_threads);
+    let n_ubatch = cli
+        .ubatch_size
+        .unwrap_or(DEFAULT_UBATCH.min(cli.batch_size));
     // Each slot is a context of -c / -np tokens: check the flags as a session of that size, the
     // way h2o-cli checks them, so that a bad -ub or L/H fails now and not after the download.
     let slot = SessionConfig {
         n_ctx: per_slot,
         n_batch: cli.batch_size,
-        n_ubatch: cli.ubatch_size,
+        n_ubatch,
         n_threads,
         flash_attn: cli.flash_attn,
         cache_type_k: cli.cache_type_k,
@@ -390,7 +422,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_ctx: cli.ctx_size,
         n_parallel: cli.parallel,
         n_batch: cli.batch_size,
-        n_ubatch: cli.ubatch_size,
+        n_ubatch,
         n_threads,
         flash_attn: cli.flash_attn,
         cache_type_k: cli.cache_type_k,
@@ -408,6 +440,8 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         },
         jinja_template,
         context_shift: cli.context_shift,
+        kv_unified: cli.kv_unified,
+        reasoning_format: cli.reasoning_format.clone(),
         aliases: comma_list(cli.alias.as_deref()),
         tags: comma_list(cli.tags.as_deref()),
         defaults: RequestDefaults {
@@ -509,6 +543,7 @@ async fn run(cli: Cli) -> Result<()> {
         slots: !cli.no_slots,
         webui: !cli.no_webui,
         slot_save_path: cli.slot_save_path.clone(),
+        verbose: cli.verbose,
         ..http::Options::new(cli.api_key.clone(), cli.max_body)
     };
     let state = Arc::new(http::AppState::new(Arc::new(engine.clone()), options));
@@ -561,10 +596,11 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
         _ => "full attention".into(),
     };
     eprintln!(
-        "h2o-server: {} | {} slot{} x {} tokens | -b {} -ub {} -fa {} | {attention} | queue {}{}",
+        "h2o-server: {} | {} slot{} {} {} tokens | -b {} -ub {} -fa {} | {attention} | queue {}{}",
         info.model_id,
         info.n_parallel,
         if info.n_parallel == 1 { "" } else { "s" },
+        if cli.kv_unified { "sharing" } else { "x" },
         info.n_ctx_slot,
         cli.batch_size,
         info.n_ubatch,
@@ -614,7 +650,7 @@ mod tests {
                 c.n_gpu_layers,
                 c.ctx_size
             ),
-            (2, 64, 256, 99, 1024)
+            (2, Some(64), 256, 99, 1024)
         );
         let config = engine_config(&c, PathBuf::from("m.gguf")).unwrap();
         let h2o = config.h2o.unwrap();
@@ -626,6 +662,16 @@ mod tests {
             .unwrap()
             .h2o
             .is_none());
+    }
+
+    #[test]
+    fn the_default_micro_batch_is_clamped_to_the_batch_as_llama_server_does() {
+        let ubatch = |args: &[&str]| engine_config(&cli(args), PathBuf::new()).map(|c| c.n_ubatch);
+        assert_eq!(ubatch(&["-b", "32", "-c", "512"]).unwrap(), 32);
+        assert_eq!(ubatch(&["-b", "4096"]).unwrap(), 512);
+        // an explicit -ub above -b is a mistake worth naming, not a value to change behind the flag
+        let err = ubatch(&["-b", "32", "-ub", "64", "-c", "512"]).unwrap_err();
+        assert!(format!("{err:#}").contains("-ub <= -b"), "{err:#}");
     }
 
     #[test]

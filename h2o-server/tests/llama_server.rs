@@ -533,3 +533,138 @@ fn context_shift_lets_a_generation_go_past_its_slot() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn post_sampling_probs_and_json_prompts_follow_llama_server() {
+    let server = Server::start(SHAPE);
+    let text = "I believe the meaning of life is";
+    // greedy: the distribution the draw saw has the chosen token alone, at 1; the rest follow
+    // by likelihood at 0
+    let (status, v) = post(
+        &server,
+        "/completion",
+        &json!({"prompt": text, "n_predict": 3, "n_probs": 5, "temperature": 0, "post_sampling_probs": true}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (_, raw) = post(
+        &server,
+        "/completion",
+        &json!({"prompt": text, "n_predict": 3, "n_probs": 5, "temperature": 0}),
+    );
+    for (p, r) in v["completion_probabilities"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(raw["completion_probabilities"].as_array().unwrap())
+    {
+        assert_eq!(p["prob"], 1.0, "{p}");
+        let top = p["top_probs"].as_array().unwrap();
+        assert_eq!(top.len(), 5, "{p}");
+        assert_eq!(top[0]["id"], p["id"]);
+        assert!(top[1..].iter().all(|t| t["prob"] == 0.0), "{p}");
+        // the same ranking as the model's own distribution
+        let ids = |list: &Value, key: &str| -> Vec<i64> {
+            list[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["id"].as_i64().unwrap())
+                .collect()
+        };
+        assert_eq!(ids(p, "top_probs"), ids(r, "top_logprobs"));
+    }
+    // sampled with top-k 3: three tokens share it all
+    let (_, v) = post(
+        &server,
+        "/completion",
+        &json!({"prompt": text, "n_predict": 2, "n_probs": 5, "temperature": 1.0, "top_k": 3, "top_p": 1.0, "seed": 7, "post_sampling_probs": true}),
+    );
+    for p in v["completion_probabilities"].as_array().unwrap() {
+        let probs: Vec<f64> = p["top_probs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["prob"].as_f64().unwrap())
+            .collect();
+        assert_eq!(probs.len(), 3, "top-k kept three: {p}");
+        assert!((probs.iter().sum::<f64>() - 1.0).abs() < 1e-4, "{probs:?}");
+    }
+
+    // llama-server's JSON prompt object: the same as its text; media is refused by name
+    let greedy = |prompt: Value| {
+        post(
+            &server,
+            "/completion",
+            &json!({"prompt": prompt, "n_predict": 4, "temperature": 0}),
+        )
+    };
+    let (_, by_text) = greedy(json!(text));
+    let (status, by_object) = greedy(json!({"prompt_string": text}));
+    assert_eq!(status, 200, "{by_object}");
+    assert_eq!(by_object["content"], by_text["content"]);
+    let (status, both) = greedy(json!([{"prompt_string": text}, text]));
+    assert_eq!(status, 200, "{both}");
+    assert_eq!(both[0]["content"], both[1]["content"]);
+    let (status, e) = greedy(json!({"prompt_string": text, "multimodal_data": ["AA=="]}));
+    assert_eq!(status, 400, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("multimodal_data"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_unified_cache_lets_one_slot_use_what_the_others_leave() {
+    // 4 slots sharing 512 cells: a request of 300 tokens fits, which 512 / 4 would not
+    let server = Server::start(&["-c", "512", "-np", "4", "--kv-unified", "-v"]);
+    let greedy = |prompt: String| {
+        post(
+            &server,
+            "/completion",
+            &json!({"prompt": prompt, "n_predict": 8, "temperature": 0}),
+        )
+    };
+    let (status, v) = greedy(long_text(280));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["timings"]["prompt_n"].as_u64().unwrap() > 128, "{v}");
+    assert_eq!(v["generation_settings"]["n_ctx"], 512);
+    // two requests at once leave two slots holding about 200 cells each; a third prompt of
+    // about 380 tokens sharing neither's prefix finds room only once the other idle slot's
+    // cached tokens go too
+    let (a, b) = std::thread::scope(|scope| {
+        let a = scope.spawn(|| greedy(format!("First. {}", long_text(190))));
+        let b = scope.spawn(|| greedy(format!("Second. {}", long_text(190))));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!((a.0.as_u16(), b.0.as_u16()), (200, 200), "{} {}", a.1, b.1);
+    assert_ne!(a.1["id_slot"], b.1["id_slot"], "two slots at once");
+    let (status, c) = greedy(format!("Third. {}", long_text(370)));
+    assert_eq!(status, 200, "{c}");
+    assert!(c["timings"]["prompt_n"].as_u64().unwrap() > 330, "{c}");
+    // with --verbose, an OpenAI answer carries llama-server's `__verbose`: the prompt's text
+    let (status, c) = post(
+        &server,
+        "/v1/chat/completions",
+        &json!({"messages": user("Hi"), "max_tokens": 2, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{c}");
+    let rendered = c["__verbose"]["prompt"].as_str().unwrap_or_default();
+    assert!(rendered.contains("<|im_start|>user\nHi<|im_end|>"), "{c}");
+    drop(server);
+
+    // H2O keeps each slot's state with its own stream: refused at start, naming the flag
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
+        .args(["-m", &model_path(), "--port", "0", "--kv-unified"])
+        .args(["--h2o-local", "16", "--h2o-heavy", "16"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--kv-unified"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -36,6 +36,10 @@ pub struct EngineConfig {
     /// `--context-shift`: a generation that fills its slot drops half of what follows the kept
     /// tokens and goes on (full attention only).
     pub context_shift: bool,
+    /// `--kv-unified`: the slots share one KV cache of `n_ctx` cells.
+    pub kv_unified: bool,
+    /// `--reasoning-format`: the default of requests' `reasoning_format`.
+    pub reasoning_format: Option<String>,
     /// Jinja source in place of the model's template for the Jinja path (`--chat-template-file`,
     /// or a `--chat-template` that is Jinja text).
     pub jinja_template: Option<String>,
@@ -149,6 +153,9 @@ pub struct Sampling {
     /// Log-probabilities of each generated token and of the `n_probs` most likely (0: none;
     /// `logprobs` asked with no top list: the token's own only).
     pub probs: Option<usize>,
+    /// `probs` from the distribution the sampler drew from, after its cuts (llama-server's
+    /// `post_sampling_probs`), rather than from the model's raw softmax.
+    pub post_sampling_probs: bool,
 }
 
 /// Per-request H2O settings (extra body fields `h2o_select`, `h2o_sink`, `h2o_dense_tail`);

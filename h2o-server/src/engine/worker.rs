@@ -124,6 +124,7 @@ fn jinja_templates(model: &Arc<Model>, config: &EngineConfig) -> Result<Jinja, h
     Ok(Jinja {
         mode: config.jinja,
         templates,
+        reasoning_format: config.reasoning_format.clone(),
     })
 }
 
@@ -192,6 +193,7 @@ fn run(
 ) {
     let n_slot_ctx = match config.n_ctx {
         0 => 0,
+        c if config.kv_unified => c,
         c => (c / config.n_parallel).max(1),
     };
     let session_config = SessionConfig {
@@ -207,7 +209,12 @@ fn run(
         h2o_undo_log: config.h2o.is_some_and(|h| h.is_enabled()),
         ..SessionConfig::default()
     };
-    let session = match ParallelSession::new(model, session_config, config.n_parallel) {
+    let session = if config.kv_unified {
+        ParallelSession::with_unified_cache(model, session_config, config.n_parallel)
+    } else {
+        ParallelSession::new(model, session_config, config.n_parallel)
+    };
+    let session = match session {
         Ok(s) => s,
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -284,6 +291,21 @@ struct Active {
     shifted: bool,
 }
 
+impl Active {
+    /// Keeps the log-probabilities of a sampled token when the job asked for them.
+    fn record_probs(&mut self, logits: &[f32], token: Token) {
+        let Some(n) = self.job.sampling.probs else {
+            return;
+        };
+        self.unsent_probs
+            .push(if self.job.sampling.post_sampling_probs {
+                self.sampler.post_sampling_probs(logits, token, n)
+            } else {
+                TokenLogprobs::from_logits(logits, token, n)
+            });
+    }
+}
+
 struct Engine<'m> {
     session: ParallelSession<'m>,
     metrics: Arc<Metrics>,
@@ -297,6 +319,8 @@ struct Engine<'m> {
     /// `--context-shift`.
     context_shift: bool,
     next_task: u64,
+    /// When each slot's last job ended (`make_room` lets the oldest cache go first).
+    last_used: Vec<Instant>,
 }
 
 impl<'m> Engine<'m> {
@@ -317,6 +341,7 @@ impl<'m> Engine<'m> {
             chat_template,
             context_shift,
             next_task: 0,
+            last_used: vec![Instant::now(); n],
         };
         this.publish_slots();
         this
@@ -482,6 +507,7 @@ impl<'m> Engine<'m> {
     }
 
     fn free(&mut self, slot: usize) {
+        self.last_used[slot] = Instant::now();
         if self.slots[slot].take().is_some() {
             self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
         }
@@ -704,13 +730,37 @@ impl<'m> Engine<'m> {
         self.decode_step();
     }
 
+    /// With one cache shared by the slots (`--kv-unified`), lets idle slots' cached tokens go,
+    /// least recently used first, until `needed` cells are free, as llama-server frees a
+    /// finished slot's: a request may use what the others leave, and prefix reuse gives way.
+    fn make_room(&mut self, needed: usize) {
+        let Some(mut free) = self.session.unified_cells_free() else {
+            return;
+        };
+        let mut idle: Vec<(Instant, usize)> = (0..self.slots.len())
+            .filter(|&s| self.slots[s].is_none() && !self.session.tokens(s as u32).is_empty())
+            .map(|s| (self.last_used[s], s))
+            .collect();
+        idle.sort_unstable();
+        for (_, s) in idle {
+            if free >= needed {
+                break;
+            }
+            free += self.session.tokens(s as u32).len();
+            let _ = self.session.clear(s as u32);
+        }
+    }
+
     fn prompt_call(&mut self, slot: usize, limit: usize) {
-        let Some(a) = self.slots[slot].as_mut() else {
+        let Some(a) = self.slots[slot].as_ref() else {
             return;
         };
         let Phase::Prompt { done } = a.phase else {
             return;
         };
+        let needed = (a.prompt.len() - done).min(limit);
+        self.make_room(needed);
+        let a = self.slots[slot].as_mut().expect("active slot");
         let t0 = Instant::now();
         // a prompt call is long: it stops as soon as its client has gone or the server stops
         let client = a.tx.clone();
@@ -745,11 +795,8 @@ impl<'m> Engine<'m> {
                     return self.finish(slot, FinishReason::Length);
                 }
                 let token = self.session.sample_last(&mut a.sampler);
-                if let Some(n) = a.job.sampling.probs {
-                    if let Some(logits) = self.session.logits(None) {
-                        a.unsent_probs
-                            .push(TokenLogprobs::from_logits(logits, token, n));
-                    }
+                if let Some(logits) = self.session.logits(None) {
+                    a.record_probs(logits, token);
                 }
                 self.take_token(slot, token);
             }
@@ -781,6 +828,7 @@ impl<'m> Engine<'m> {
         if step.is_empty() {
             return;
         }
+        self.make_room(step.len());
         let t0 = Instant::now();
         let stopping = Arc::clone(&self.stopping);
         let abort = move || stopping.load(Ordering::Relaxed);
@@ -803,11 +851,8 @@ impl<'m> Engine<'m> {
         for (i, &(s, _)) in step.iter().enumerate() {
             let a = self.slots[s as usize].as_mut().expect("generating slot");
             let token = self.session.sample_at(&mut a.sampler, i);
-            if let Some(n) = a.job.sampling.probs {
-                if let Some(logits) = self.session.logits(Some(i)) {
-                    a.unsent_probs
-                        .push(TokenLogprobs::from_logits(logits, token, n));
-                }
+            if let Some(logits) = self.session.logits(Some(i)) {
+                a.record_probs(logits, token);
             }
             self.take_token(s as usize, token);
         }

@@ -35,6 +35,7 @@ pub async fn chat(
         "chat.completion"
     };
     let head = Head::new("chatcmpl", object, info);
+    let settings = settings_of(&jobs, info);
     if delivery.stream {
         // a stream has one choice (n > 1 is refused with stream)
         let run = Run::start(&state, jobs.remove(0), "messages", request).await?;
@@ -48,6 +49,7 @@ pub async fn chat(
     }
     let (outs, stats) = run_all(&state, jobs, "messages", &request).await?;
     let spell = state.spell();
+    let verbose = verbose_answer(&state, &outs, &settings);
     let mut parsers = delivery.reply_parsers.into_iter();
     let choices: Vec<response::ChatChoice> = outs
         .into_iter()
@@ -67,10 +69,11 @@ pub async fn chat(
             }
         })
         .collect();
-    Ok(json_with_stats(
-        &response::chat_completion(&head, &choices),
-        stats,
-    ))
+    let mut body = response::chat_completion(&head, &choices);
+    if let Some(v) = verbose {
+        body["__verbose"] = v;
+    }
+    Ok(json_with_stats(&body, stats))
 }
 
 pub async fn completions(
@@ -92,7 +95,9 @@ pub async fn completions(
         return Ok(sse::respond(run, format, state.spell(), delivery.progress));
     }
     let spell = state.spell();
+    let settings = settings_of(&jobs, info);
     let (outs, stats) = run_all(&state, jobs, "prompt", &request).await?;
+    let verbose = verbose_answer(&state, &outs, &settings);
     let outs: Vec<(Output, Option<Value>)> = outs
         .into_iter()
         .map(|o| {
@@ -102,9 +107,42 @@ pub async fn completions(
             (o, lp)
         })
         .collect();
-    Ok(json_with_stats(
-        &response::text_completion(&head, &outs),
-        stats,
+    let mut body = response::text_completion(&head, &outs);
+    if let Some(v) = verbose {
+        body["__verbose"] = v;
+    }
+    Ok(json_with_stats(&body, stats))
+}
+
+/// Each job's `generation_settings`.
+fn settings_of(jobs: &[crate::engine::Job], info: &crate::engine::EngineInfo) -> Vec<Value> {
+    jobs.iter()
+        .map(|j| response::generation_settings(&j.sampling, info))
+        .collect()
+}
+
+/// llama-server's `__verbose` under `--verbose`: the first output's `/completion` answer.
+fn verbose_answer(state: &Shared, outs: &[Output], settings: &[Value]) -> Option<Value> {
+    let (out, settings) = outs.first().zip(settings.first())?;
+    if !state.options.verbose {
+        return None;
+    }
+    let spell = state.spell();
+    let shape = LlamaShape {
+        probs: false,
+        probs_linear: false,
+        return_tokens: true,
+        response_fields: None,
+    };
+    let prompt = sse::prompt_text(spell.as_ref(), &out.prompt);
+    Some(response::llama_final(
+        &out.text,
+        out,
+        settings,
+        state.engine.info(),
+        &shape,
+        spell.as_ref(),
+        &prompt,
     ))
 }
 
@@ -121,10 +159,7 @@ pub async fn llama_completion(
         return_tokens: delivery.return_tokens,
         response_fields: delivery.response_fields.clone(),
     };
-    let settings: Vec<Value> = jobs
-        .iter()
-        .map(|j| response::generation_settings(&j.sampling, &info))
-        .collect();
+    let settings = settings_of(&jobs, &info);
     let spell = state.spell();
     if delivery.stream {
         let job = jobs.into_iter().next().expect("a stream has one prompt");

@@ -68,6 +68,7 @@ fn default_sampling(state: &Shared) -> Sampling {
         grammar_prefill: Vec::new(),
         preserved_tokens: Vec::new(),
         probs: None,
+        post_sampling_probs: false,
     }
 }
 

@@ -57,6 +57,7 @@ impl Fake {
             jinja: crate::jinja::Jinja {
                 mode: crate::jinja::JinjaMode::Tools,
                 templates: Err("the fake engine has no model".into()),
+                reasoning_format: None,
             },
         }
     }

@@ -178,6 +178,7 @@ pub(super) fn sampling(
         grammar_prefill: Vec::new(),
         preserved_tokens: Vec::new(),
         probs: None,
+        post_sampling_probs: false,
     })
 }
 

@@ -345,7 +345,10 @@ impl LlamaCompletionRequest {
         d.probs_linear = self.post_sampling_probs == Some(true);
         d.return_tokens = self.return_tokens == Some(true);
         d.response_fields = self.response_fields;
-        let jobs = jobs(prompts, &self.common, max_tokens, probs, &d, info)?;
+        let mut jobs = jobs(prompts, &self.common, max_tokens, probs, &d, info)?;
+        for job in &mut jobs {
+            job.sampling.post_sampling_probs = d.probs_linear;
+        }
         Ok((jobs, d))
     }
 }
@@ -519,6 +522,7 @@ mod tests {
         let jinja = Jinja {
             mode: crate::jinja::JinjaMode::Tools,
             templates: Err("no model in unit tests".into()),
+            reasoning_format: None,
         };
         parse::<ChatRequest>(&body).into_jobs(&info(h2o), &jinja)
     }
@@ -727,6 +731,17 @@ mod tests {
                 .len(),
             2
         );
+        // llama-server's JSON prompt objects, alone and among other prompts
+        let object = jobs(serde_json::json!({"prompt": {"prompt_string": "a b"}})).unwrap();
+        assert!(
+            matches!(&object[..], [Job { prompt: Prompt::Text(t), .. }] if t == "a b"),
+            "{object:?}"
+        );
+        let two = jobs(serde_json::json!({"prompt": [[1, 2], {"prompt_string": [3]}]})).unwrap();
+        assert!(
+            matches!(&two[..], [_, Job { prompt: Prompt::Tokens(p), .. }] if p == &vec![PromptPiece::Token(3)]),
+            "{two:?}"
+        );
         let mixed = jobs(serde_json::json!({"prompt": [1, "x", 2]})).unwrap();
         let [Job {
             prompt: Prompt::Tokens(pieces),
@@ -750,8 +765,25 @@ mod tests {
             (serde_json::json!({"prompt": null}), "prompt"),
             (serde_json::json!({"prompt": [1, 256]}), "prompt"),
             (serde_json::json!({"prompt": [1, -1]}), "prompt"),
-            (serde_json::json!({"prompt": [1, {}]}), "prompt"),
+            (serde_json::json!({"prompt": [1, {}]}), "prompt[0]"),
             (serde_json::json!({"prompt": [[1], ""]}), "prompt[1]"),
+            (serde_json::json!({"prompt": {}}), "prompt"),
+            (
+                serde_json::json!({"prompt": {"prompt_string": 3}}),
+                "prompt",
+            ),
+            (
+                serde_json::json!({"prompt": {"prompt_string": "a", "x": 1}}),
+                "prompt",
+            ),
+            (
+                serde_json::json!({"prompt": {"prompt_string": "a <__media__>", "multimodal_data": ["AA=="]}}),
+                "prompt",
+            ),
+            (
+                serde_json::json!({"prompt": [[1], {"prompt_string": ""}]}),
+                "prompt[1].prompt_string",
+            ),
         ] {
             let e = jobs(body.clone()).expect_err("should be refused");
             assert_eq!(e.param.as_deref(), Some(param), "{body}");

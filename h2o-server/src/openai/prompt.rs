@@ -124,8 +124,8 @@ fn message(i: usize, m: ChatMessageIn) -> Result<ChatMessage, ApiError> {
 }
 
 /// The prompts of the completion endpoints, as llama-server reads them: a string; an array of
-/// token ids and strings (one prompt, the strings tokenized in place); or an array of those
-/// (one prompt each, answered in order).
+/// token ids and strings (one prompt, the strings tokenized in place); a JSON prompt object
+/// (`{"prompt_string": …}`); or an array of those (one prompt each, answered in order).
 pub(super) fn prompts(v: &Value, info: &EngineInfo) -> Result<Vec<Prompt>, ApiError> {
     match v {
         Value::Array(items) if items.is_empty() => Err(ApiError::field(
@@ -133,7 +133,7 @@ pub(super) fn prompts(v: &Value, info: &EngineInfo) -> Result<Vec<Prompt>, ApiEr
             "the prompt is empty: send at least one token of text",
         )),
         Value::Array(items)
-            if items.iter().any(Value::is_array)
+            if items.iter().any(|p| p.is_array() || p.is_object())
                 || (items.len() > 1 && items.iter().all(Value::is_string)) =>
         {
             items
@@ -198,13 +198,56 @@ fn one_prompt(v: &Value, param: &str, info: &EngineInfo) -> Result<Prompt, ApiEr
             })
             .collect::<Result<Vec<_>, _>>()
             .map(Prompt::Tokens),
+        Value::Object(fields) => json_prompt(fields, param, info),
         Value::Null => Err(ApiError::field("prompt", "missing field `prompt`")),
         other => Err(ApiError::field(
             param,
             format!(
-                "{param} must be a string or an array of token ids and strings, not {}",
+                "{param} must be a string, an array of token ids and strings, or an object with \
+                 `prompt_string`, not {}",
                 json_kind(other)
             ),
+        )),
+    }
+}
+
+/// llama-server's JSON prompt object: `prompt_string` (text or token ids, as a prompt) and, for
+/// models with a multimodal projector, `multimodal_data`, which this server has none of.
+fn json_prompt(
+    fields: &serde_json::Map<String, Value>,
+    param: &str,
+    info: &EngineInfo,
+) -> Result<Prompt, ApiError> {
+    if fields.contains_key("multimodal_data") {
+        return Err(ApiError::field(
+            param,
+            format!(
+                "{param}.multimodal_data: this server has no multimodal projector (h2o-server \
+                 serves text models only); send the prompt without media"
+            ),
+        ));
+    }
+    if let Some(unknown) = fields.keys().find(|k| *k != "prompt_string") {
+        return Err(ApiError::field(
+            param,
+            format!("{param}.{unknown} is not a field of a JSON prompt: use `prompt_string`"),
+        ));
+    }
+    match fields.get("prompt_string") {
+        Some(inner @ (Value::String(_) | Value::Array(_))) => {
+            one_prompt(inner, &format!("{param}.prompt_string"), info)
+        }
+        Some(other) => Err(ApiError::field(
+            param,
+            format!(
+                "{param}.prompt_string must be a string or an array of token ids and strings, \
+                 not {}",
+                json_kind(other)
+            ),
+        )),
+        None => Err(ApiError::field(
+            param,
+            format!("{param} is an object without `prompt_string`: put the prompt's text there"),
         )),
     }
 }
