@@ -47,6 +47,7 @@ if [ -z "$server" ]; then
     cargo build --release -p h2o-server --manifest-path "$root/Cargo.toml" >&2
     server=$root/target/release/h2o-server
 fi
+server=$(realpath "$server") # the tests run from their own folder
 
 cd "$out/tree/tools/server/tests"
 echo "llama-server-tests: running ${files[*]} (log: $out/pytest.log)" >&2
