@@ -106,6 +106,12 @@ pub struct H2oConfig {
     /// to choose its memory (`--h2o-tile-samples`): 1, 2, 4, 8, 16, 32 or 64. More choose better
     /// and cost more. The same for every sequence of a context.
     pub tile_samples: u32,
+    /// Sparse decode (`--h2o-decode sparse --h2o-decode-budget N`): each generated token attends
+    /// to the first block of 16 positions (more with `sink`), its last `local` positions, and up
+    /// to this many positions between them, in blocks of 16 whose keys' channel bounds let its
+    /// query reach the largest logits (patch 0025). 0: decode reads the whole cache, as llama.cpp
+    /// does. The KV cache is kept whole either way, so any step could attend to everything.
+    pub decode_budget: u32,
 }
 
 impl Default for H2oConfig {
@@ -118,6 +124,7 @@ impl Default for H2oConfig {
             dense_tail: 0,
             coverage: 1.0,
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
+            decode_budget: 0,
         }
     }
 }
@@ -147,6 +154,7 @@ impl H2oConfig {
             dense_tail: Self::RECOMMENDED_DENSE_TAIL,
             coverage: 1.0,
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
+            decode_budget: 0,
         }
     }
 
@@ -154,6 +162,10 @@ impl H2oConfig {
     pub const RECOMMENDED_SINK: u32 = 4;
     pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
     pub const RECOMMENDED_TILE_SAMPLES: u32 = 4;
+    /// Positions a sparse decode step chooses by block when the flags leave it out.
+    pub const RECOMMENDED_DECODE_BUDGET: u32 = 1024;
+    /// The block of positions sparse decode summarises and chooses (`GGML_H2O_DECODE_BLOCK`).
+    pub const DECODE_BLOCK: u32 = 16;
 
     /// M = L + H, the memory set size.
     #[must_use]
@@ -172,6 +184,25 @@ impl H2oConfig {
             Selection::Coverage => format!("coverage/{}", self.tile_samples),
             other => other.name().to_string(),
         }
+    }
+
+    /// Keys a decode step reads when `n` positions are visible to it (its own included), per
+    /// query head: all `n` with full-attention decode; with sparse decode, the first block(s),
+    /// the recent window down to a block boundary, and at most `decode_budget` positions of
+    /// whole blocks between them, as `ggml_h2o_decode` chooses them.
+    #[must_use]
+    pub fn decode_keys(&self, n: u32) -> u32 {
+        if self.decode_budget == 0 {
+            return n;
+        }
+        let b = Self::DECODE_BLOCK;
+        let n_full = n / b;
+        let sink_blocks = self.sink.div_ceil(b).max(1).min(n_full);
+        let recent_block = (n.saturating_sub(self.local) / b)
+            .min(n_full)
+            .max(sink_blocks);
+        let chosen = (self.decode_budget / b).min(recent_block - sink_blocks);
+        (sink_blocks + chosen) * b + (n - recent_block * b)
     }
 
     /// False for L = H = 0, which means stock attention.
@@ -442,6 +473,23 @@ impl SessionConfig {
                     h2o.tile_samples
                 ));
             }
+            if self.n_ctx > 0 && h2o.decode_budget > self.n_ctx {
+                return bad(format!(
+                    "H2O decode budget --h2o-decode-budget {} is larger than the context -c {}: a \
+                     step cannot attend to more positions than the sequence holds; lower it (or \
+                     use --h2o-decode full)",
+                    h2o.decode_budget, self.n_ctx
+                ));
+            }
+            if h2o.decode_budget > 0 && h2o.decode_budget < H2oConfig::DECODE_BLOCK {
+                return bad(format!(
+                    "H2O decode budget --h2o-decode-budget {} is smaller than one block of {} \
+                     positions: use at least {}, or --h2o-decode full",
+                    h2o.decode_budget,
+                    H2oConfig::DECODE_BLOCK,
+                    H2oConfig::DECODE_BLOCK
+                ));
+            }
             if self.n_ctx > 0 && h2o.dense_tail > self.n_ctx {
                 return bad(format!(
                     "H2O dense tail --h2o-dense-tail {} is longer than the context -c {}: lower it",
@@ -458,5 +506,32 @@ impl SessionConfig {
             return bad("attention capture reads the H2O op, which the stock engine (feature `stock`) lacks".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::H2oConfig;
+
+    #[test]
+    fn decode_keys_count_what_a_sparse_step_reads() {
+        let full = H2oConfig::new(64, 64);
+        assert_eq!(full.decode_keys(1612), 1612);
+        let sparse = H2oConfig {
+            decode_budget: 256,
+            ..full
+        };
+        // one sink block, 16 chosen blocks, and the window from position 1536 (a block boundary
+        // at or below 1612 - 64) to the end
+        assert_eq!(sparse.decode_keys(1612), 17 * 16 + (1612 - 1536));
+        // a budget that covers every block between the sinks and the window reads everything
+        let covering = H2oConfig {
+            decode_budget: 1024,
+            ..full
+        };
+        assert_eq!(covering.decode_keys(712), 712);
+        // fewer positions than a block: all of them
+        assert_eq!(sparse.decode_keys(10), 10);
+        assert_eq!(sparse.decode_keys(0), 0);
     }
 }

@@ -1,0 +1,196 @@
+//! Sparse decode (patch 0025, `H2oConfig::decode_budget`) on the default model: with a budget
+//! that covers the whole context, a decode step is full attention; with a small one, each step
+//! reads its sinks, its recent window and the blocks its query points at, and its next-token
+//! distribution stays close to full attention's on the same cache; sequences decoding together
+//! in one `ParallelSession` step get what each gets alone; bad budgets are refused by name.
+#![cfg(not(feature = "stock"))]
+
+mod common;
+
+use h2o_llama::{Error, FlashAttention, H2oConfig, ParallelSession, Session, SessionConfig, Token};
+
+const N_CTX: u32 = 2048;
+const STEPS: usize = 12;
+
+fn config(decode_budget: u32) -> SessionConfig {
+    SessionConfig {
+        n_ctx: N_CTX,
+        n_batch: 2048,
+        n_ubatch: 256,
+        n_threads: 2,
+        flash_attn: FlashAttention::Off,
+        h2o: Some(H2oConfig {
+            decode_budget,
+            ..H2oConfig::new(64, 64)
+        }),
+        ..SessionConfig::default()
+    }
+}
+
+/// A prompt of `n` tokens of varied text (a repeated paragraph would let any block stand for
+/// any other).
+fn prompt(n: usize) -> Vec<Token> {
+    let m = common::model();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let tokens = m.tokenize(&text, true, false).unwrap();
+    assert!(tokens.len() >= n, "README.md is shorter than {n} tokens");
+    tokens[..n].to_vec()
+}
+
+fn softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f64> = logits.iter().map(|&l| (f64::from(l - max)).exp()).collect();
+    let z: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / z).collect()
+}
+
+/// KL(full || sparse) of two next-token distributions.
+fn kld(full: &[f32], sparse: &[f32]) -> f64 {
+    let (p, q) = (softmax(full), softmax(sparse));
+    p.iter()
+        .zip(&q)
+        .filter(|(&p, _)| p > 0.0)
+        .map(|(&p, &q)| p * (p / q.max(1e-300)).ln())
+        .sum()
+}
+
+/// Steps of full-attention decode and of sparse decode after the same prompt, both fed the
+/// full-attention greedy token (teacher forcing): (max |Δ logit|, mean KLD, top-1 agreements).
+fn compare(prompt: &[Token], decode_budget: u32) -> (f32, f64, usize) {
+    let m = common::model();
+    let mut full = Session::new(m, config(0)).unwrap();
+    let mut sparse = Session::new(m, config(decode_budget)).unwrap();
+    full.evaluate(prompt).unwrap();
+    sparse.evaluate(prompt).unwrap();
+    // the prompt's own logits come from the prefill, which the budget does not touch
+    assert_eq!(full.logits().unwrap(), sparse.logits().unwrap());
+    let (mut max_diff, mut kl, mut agree) = (0.0_f32, 0.0, 0);
+    let mut next = common::argmax(full.logits().unwrap()) as Token;
+    for _ in 0..STEPS {
+        full.evaluate(&[next]).unwrap();
+        sparse.evaluate(&[next]).unwrap();
+        let (f, s) = (full.logits().unwrap(), sparse.logits().unwrap());
+        max_diff = max_diff.max(common::max_abs_diff(f, s));
+        kl += kld(f, s);
+        agree += usize::from(common::argmax(f) == common::argmax(s));
+        next = common::argmax(f) as Token;
+    }
+    (max_diff, kl / STEPS as f64, agree)
+}
+
+#[test]
+fn a_budget_covering_the_context_decodes_as_full_attention() {
+    // A step whose budget takes every position is full attention. Its reference is the H2O
+    // prefill op itself (proven layer by layer against the f64 reference): with a dense tail as
+    // long as the prompt, every prompt token attends to everything, so session B's last prompt
+    // token and session A's decode step see the same cache and compute the same attention in
+    // F32; llama.cpp's own attention rounds Q and the weights to F16 and differs by more.
+    let m = common::model();
+    let p = prompt(701);
+    let (prefix, last) = p.split_at(700);
+    let dense = |decode_budget: u32| SessionConfig {
+        h2o: Some(H2oConfig {
+            dense_tail: N_CTX,
+            decode_budget,
+            ..H2oConfig::new(64, 64)
+        }),
+        ..config(decode_budget)
+    };
+    let mut a = Session::new(m, dense(1024)).unwrap();
+    a.evaluate(prefix).unwrap();
+    a.evaluate(last).unwrap();
+    let mut b = Session::new(m, dense(0)).unwrap();
+    b.evaluate(&p).unwrap();
+    let d = common::max_abs_diff(a.logits().unwrap(), b.logits().unwrap());
+    eprintln!(
+        "sparse decode over every position vs the prefill's dense tail: max |Δ logit| {d:.2e}"
+    );
+    assert!(d < 1e-3, "max |Δ logit| {d}");
+
+    // and teacher-forced steps against llama.cpp's full-attention decode agree on every token
+    let (max_diff, kl, agree) = compare(&prompt(700), 1024);
+    eprintln!("budget 1024 over 712 positions vs llama.cpp's decode: max |Δ logit| {max_diff:.2}, KLD {kl:.2e}");
+    assert!(agree >= STEPS - 1, "top-1 agreement {agree}/{STEPS}");
+    assert!(kl < 0.01, "mean KLD {kl}");
+}
+
+#[test]
+fn a_small_budget_reads_a_few_blocks_and_stays_close_to_full_attention() {
+    // 1600 prompt tokens; a step reads 16 sinks, 64 recent positions and 256 chosen: a fifth
+    let p = prompt(1600);
+    let (max_diff, kl, agree) = compare(&p, 256);
+    eprintln!("budget 256 over 1612 positions: max |Δ logit| {max_diff:.3}, KLD {kl:.4}, top-1 {agree}/{STEPS}");
+    assert!(
+        max_diff > 1e-3,
+        "a fifth of the keys cannot give full attention's logits exactly"
+    );
+    assert!(kl < 0.1, "mean KLD {kl}");
+    assert!(agree >= STEPS - 2, "top-1 agreement {agree}/{STEPS}");
+    // the chosen blocks carry the attention: one block (the least budget) is much further off
+    let (_, kl_one, _) = compare(&p, 16);
+    eprintln!("budget 16: KLD {kl_one:.4}");
+    assert!(
+        kl_one > 2.0 * kl,
+        "one block: KLD {kl_one}, sixteen chosen blocks: {kl}"
+    );
+}
+
+#[test]
+fn sequences_decoding_together_get_what_each_gets_alone() {
+    let m = common::model();
+    let prompts = [prompt(900), prompt(1300)[400..].to_vec()];
+    let config = SessionConfig {
+        n_ctx: N_CTX,
+        ..config(256)
+    };
+    // each alone: its logits after three teacher-forced steps
+    let forced: Vec<Token> = vec![11, 12, 13];
+    let alone: Vec<Vec<f32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut s = Session::new(m, config.clone()).unwrap();
+            s.evaluate(p).unwrap();
+            for &t in &forced {
+                s.evaluate(&[t]).unwrap();
+            }
+            s.logits().unwrap().to_vec()
+        })
+        .collect();
+    // together: one ParallelSession, both sequences in each decode step
+    let mut p = ParallelSession::new(m, config, 2).unwrap();
+    for (seq, prompt) in prompts.iter().enumerate() {
+        p.start_prompt(seq as u32, prompt, None).unwrap();
+        let mut done = 0;
+        while done < prompt.len() {
+            done += p.prefill(seq as u32, &prompt[done..], usize::MAX).unwrap();
+        }
+    }
+    for &t in &forced {
+        p.decode(&[(0, t), (1, t)]).unwrap();
+    }
+    for (i, alone) in alone.iter().enumerate() {
+        let together = p.logits(Some(i)).unwrap();
+        let d = common::max_abs_diff(alone, together);
+        assert!(
+            d < 1e-3,
+            "sequence {i}: max |Δ logit| {d} between together and alone"
+        );
+    }
+}
+
+#[test]
+fn bad_budgets_are_refused_by_name() {
+    let m = common::model();
+    for (budget, names) in [
+        (N_CTX + 16, "larger than the context"),
+        (8, "smaller than one block"),
+    ] {
+        let e = Session::new(m, config(budget)).expect_err("a bad budget");
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+        let message = e.to_string();
+        assert!(
+            message.contains(names) && message.contains("--h2o-decode-budget"),
+            "{message}"
+        );
+    }
+}
