@@ -142,6 +142,15 @@ struct Cli {
     command: Option<Command>,
 }
 
+/// How generated tokens attend (`--h2o-decode`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodeMode {
+    /// every step reads the whole cache (llama.cpp's decode)
+    Full,
+    /// every step reads its sinks, recent window and the blocks its query points at
+    Sparse,
+}
+
 /// How H2O chooses its memory, as every command takes it; defaults are the library's
 /// recommendation ([`H2oConfig::new`]).
 #[derive(clap::Args, Debug, Clone, Copy)]
@@ -168,6 +177,15 @@ struct H2oPolicy {
     /// choose its memory (1, 2, 4, 8, 16, 32 or 64; more choose better and cost more)
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     tile_samples: u32,
+    /// H2O decode: full (each generated token reads the whole cache) or sparse (the first block,
+    /// the last --h2o-local positions, and the blocks of 16 its query points at, up to
+    /// --h2o-decode-budget positions; the cache is kept whole)
+    #[arg(long = "h2o-decode", value_name = "MODE", value_enum, default_value_t = DecodeMode::Full)]
+    decode: DecodeMode,
+    /// H2O sparse decode: positions a step chooses by block, besides the first block and the
+    /// recent window (at most -c)
+    #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
+    decode_budget: u32,
 }
 
 impl H2oPolicy {
@@ -178,6 +196,11 @@ impl H2oPolicy {
         h2o.dense_tail = self.dense_tail;
         h2o.coverage = self.coverage;
         h2o.tile_samples = self.tile_samples;
+        h2o.decode_budget = if self.decode == DecodeMode::Sparse {
+            self.decode_budget
+        } else {
+            0
+        };
         h2o
     }
 
@@ -190,6 +213,12 @@ impl H2oPolicy {
         a.extend(["--h2o-dense-tail".into(), self.dense_tail.to_string()]);
         a.extend(["--h2o-coverage".into(), self.coverage.to_string()]);
         a.extend(["--h2o-tile-samples".into(), self.tile_samples.to_string()]);
+        let mode = match self.decode {
+            DecodeMode::Full => "full",
+            DecodeMode::Sparse => "sparse",
+        };
+        a.extend(["--h2o-decode".into(), mode.into()]);
+        a.extend(["--h2o-decode-budget".into(), self.decode_budget.to_string()]);
         a
     }
 }
@@ -254,6 +283,9 @@ struct Record<'a> {
     prefill_ms: f64,
     prefill_tokens_per_second: f64,
     decode_tokens_per_second: f64,
+    /// keys each generated token's attention read, per head, on average over the decode steps
+    /// (all cached positions with full-attention decode; fewer with --h2o-decode sparse)
+    decode_keys_per_step: f64,
     stopped_at_eog: bool,
     /// the process's peak resident memory (Linux), for benchmarks
     peak_rss_bytes: Option<u64>,
@@ -556,6 +588,7 @@ fn report(
             prefill_ms: t.prefill.as_secs_f64() * 1e3,
             prefill_tokens_per_second: t.prefill_tokens_per_second(),
             decode_tokens_per_second: t.decode_tokens_per_second(),
+            decode_keys_per_step: decode_keys_per_step(session, cached + t.prompt_tokens),
             stopped_at_eog: generation.stopped_at_eog,
             peak_rss_bytes: peak_rss_bytes(),
             kv_cache_bytes: model.kv_cache_bytes(
@@ -584,7 +617,7 @@ fn report(
     eprintln!("h2o-cli: {attention}");
     eprintln!(
         "h2o-cli: prompt tokens {} | chunks {} (-ub {}) | time to first token {:.2} s | prefill {:.1} tok/s | \
-         decode {:.1} tok/s ({} tokens{})",
+         decode {:.1} tok/s ({} tokens{}, {:.0} keys a step)",
         t.prompt_tokens,
         chunks,
         config.n_ubatch,
@@ -592,9 +625,25 @@ fn report(
         t.prefill_tokens_per_second(),
         t.decode_tokens_per_second(),
         t.generated_tokens,
-        if generation.stopped_at_eog { ", stopped at end of generation" } else { "" }
+        if generation.stopped_at_eog { ", stopped at end of generation" } else { "" },
+        decode_keys_per_step(session, cached + t.prompt_tokens)
     );
     Ok(())
+}
+
+/// The mean of the keys each decode step after a prompt of `n_prompt` tokens read, per head
+/// (`H2oConfig::decode_keys`); 0 when nothing was decoded.
+fn decode_keys_per_step(session: &Session, n_prompt: usize) -> f64 {
+    let n_end = session.n_past();
+    let first = u32::try_from(n_prompt)
+        .unwrap_or(u32::MAX)
+        .saturating_add(1);
+    if first > n_end {
+        return 0.0;
+    }
+    let h2o = session.config().h2o.unwrap_or_default();
+    let total: u64 = (first..=n_end).map(|n| u64::from(h2o.decode_keys(n))).sum();
+    total as f64 / f64::from(n_end - first + 1)
 }
 
 /// Loads `path` into the fresh `session` when its tokens begin `prompt`; returns how many prompt

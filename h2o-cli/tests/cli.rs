@@ -245,6 +245,38 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             3,
             "--h2o-tile-samples 3 must divide the tile of 64 queries",
         ),
+        (
+            &[
+                "-p",
+                "x",
+                "-c",
+                "1024",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-decode",
+                "sparse",
+                "--h2o-decode-budget",
+                "2048",
+            ],
+            3,
+            "--h2o-decode-budget 2048 is larger than the context -c 1024",
+        ),
+        (
+            &[
+                "-p",
+                "x",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-decode",
+                "sometimes",
+            ],
+            2,
+            "sometimes",
+        ),
     ];
     for (args, code, needle) in cases {
         let o = cli(args);
