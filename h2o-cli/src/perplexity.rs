@@ -12,6 +12,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use h2o_llama::scoring::decode_tail;
 use h2o_llama::scoring::perplexity::{
     self, FarContext, PrefillTimes, ShapeScores, WindowOptions, FAR_TAIL,
 };
@@ -84,6 +85,12 @@ pub struct PerplexityArgs {
     /// this PNG file
     #[arg(long, value_name = "FILE", requires = "speed")]
     png: Option<PathBuf>,
+    /// Score sparse decode instead: the last N tokens of each window go one at a time through
+    /// the decode path after the rest as a prompt, under --h2o-decode sparse and under
+    /// full-attention decode (the same H2O prefill before both): Δ ppl, KLD, top-1 agreement,
+    /// keys read and decode speed
+    #[arg(long, value_name = "N", conflicts_with_all = ["ablate", "far_context", "speed"])]
+    decode_tail: Option<usize>,
 }
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
@@ -150,6 +157,9 @@ struct Report {
 }
 
 pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    if let Some(tail) = args.decode_tail {
+        return run_decode_tail(args, tail, interrupt);
+    }
     let base = SessionConfig {
         n_ctx: args.ctx_size,
         n_batch: args.batch_size,
@@ -249,6 +259,76 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             eprintln!("h2o-cli perplexity: chart written to {}", png.display());
         }
     }
+    Ok(())
+}
+
+/// `--decode-tail N`: sparse decode against full-attention decode on each window's last N tokens.
+fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool>) -> Result<()> {
+    let base = SessionConfig {
+        n_ctx: args.ctx_size,
+        n_batch: args.batch_size,
+        n_ubatch: args.shape.ubatch_size,
+        n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
+        cache_type_k: args.cache_type_k,
+        cache_type_v: args.cache_type_v,
+        h2o: Some(args.shape.config()),
+        ..SessionConfig::default()
+    };
+    base.validate()?;
+    let text = crate::read_text_file(&args.file, "text file")?;
+    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let tokens = model.tokenize(&text, true, false)?;
+    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let r = decode_tail::decode_tail(
+        &model,
+        &tokens,
+        &base,
+        tail,
+        args.chunks,
+        interrupt,
+        |msg| {
+            if show_progress {
+                eprint!("\r\x1b[Kperplexity: {msg}");
+            }
+        },
+    )
+    .with_context(|| args.file.display().to_string())?;
+    if show_progress {
+        eprint!("\r\x1b[K");
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let s = &r.summary;
+    println!(
+        "text: {} | {} windows of -c {}, the last {} tokens of each decoded one at a time | {} L {} H {} \
+         sink {}, decode budget {}\n\n\
+         | decode | ppl | Δ ppl | KLD mean | KLD p99 | top-1 | keys a step | steps/s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n\
+         | full attention | {:.4} | | | | | {:.0} | {:.1} |\n\
+         | sparse | {:.4} | {:+.2} % | {:.4} | {:.4} | {:.1} % | {:.0} | {:.1} ({:.2}×) |",
+        args.file.display(),
+        r.windows,
+        args.ctx_size,
+        r.tail,
+        r.h2o.policy_label(),
+        r.h2o.local,
+        r.h2o.heavy,
+        r.h2o.sink,
+        r.h2o.decode_budget,
+        s.ppl_full,
+        r.full_keys_per_step,
+        r.full_steps_per_second,
+        s.ppl_h2o,
+        s.delta_ppl_percent,
+        s.kld_mean,
+        s.kld_p99,
+        s.top1_agreement_percent,
+        r.sparse_keys_per_step,
+        r.sparse_steps_per_second,
+        r.sparse_steps_per_second / r.full_steps_per_second
+    );
     Ok(())
 }
 

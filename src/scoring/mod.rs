@@ -2,9 +2,11 @@
 //! llama-perplexity does: per scored position, each one's negative log-likelihood of the next
 //! token, the KL divergence between their next-token distributions and whether their top
 //! tokens agree; then perplexities, the KLD's mean and quantiles and the top-1 agreement.
-//! [`perplexity`] scores a text in windows as llama-perplexity does; `h2o-cli perplexity` is a
-//! front end over it.
+//! [`perplexity`] scores a text in windows as llama-perplexity does, [`decode_tail`] the last
+//! tokens of each window through sparse against full-attention decode; `h2o-cli perplexity` is
+//! a front end over both.
 
+pub mod decode_tail;
 pub mod perplexity;
 
 /// Log-probabilities from logits (log-softmax, accumulated in f64 for the normaliser).
