@@ -157,6 +157,15 @@ struct Cli {
     /// choose its memory (1, 2, 4, 8, 16, 32 or 64)
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     h2o_tile_samples: u32,
+    /// H2O decode: full (each generated token reads the slot's whole cache) or sparse (the first
+    /// block, the last --h2o-local positions and the blocks of 16 its query points at, up to
+    /// --h2o-decode-budget positions; the cache is kept whole)
+    #[arg(long = "h2o-decode", value_name = "MODE", default_value = "full",
+          value_parser = ["full", "sparse"])]
+    h2o_decode: String,
+    /// H2O sparse decode: positions a step chooses by block (at most a slot's context)
+    #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
+    h2o_decode_budget: u32,
     /// The model's name in /v1/models and in answers; several, comma-separated, are aliases
     /// [default: the model's file name]
     #[arg(short = 'a', long, value_name = "NAME")]
@@ -318,6 +327,9 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     h2o.dense_tail = cli.h2o_dense_tail;
     h2o.coverage = cli.h2o_coverage;
     h2o.tile_samples = cli.h2o_tile_samples;
+    if cli.h2o_decode == "sparse" {
+        h2o.decode_budget = cli.h2o_decode_budget;
+    }
     let h2o = h2o.is_enabled().then_some(h2o);
     let jinja_template = match (&cli.chat_template_file, &cli.chat_template) {
         (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {

@@ -668,3 +668,44 @@ fn a_unified_cache_lets_one_slot_use_what_the_others_leave() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn sparse_decode_reads_fewer_keys_and_says_how_many() {
+    // slots of 1024 tokens; a step reads the first block, the last 16 positions and 64 chosen
+    let mut args = SHAPE.to_vec();
+    args.extend(["--h2o-decode", "sparse", "--h2o-decode-budget", "64"]);
+    let server = Server::start(&args);
+    let body = json!({"prompt": long_text(600), "n_predict": 8, "temperature": 0});
+    let (status, v) = post(&server, "/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    let timings = &v["timings"];
+    let prompt_n = timings["prompt_n"].as_f64().unwrap();
+    let keys = timings["h2o_decode_keys_per_step"].as_f64().unwrap();
+    assert!(
+        keys > 64.0 && keys < 16.0 + 32.0 + 64.0 + 16.0,
+        "sparse: {keys} keys a step after {prompt_n} prompt tokens: {v}"
+    );
+    assert!(!v["content"].as_str().unwrap().is_empty(), "{v}");
+    drop(server);
+
+    // full-attention decode reads every cached position
+    let server = Server::start(SHAPE);
+    let (_, v) = post(&server, "/completion", &body);
+    let keys = v["timings"]["h2o_decode_keys_per_step"].as_f64().unwrap();
+    assert!(keys > prompt_n, "full: {keys} keys a step: {v}");
+    drop(server);
+
+    // a budget beyond a slot's context is refused at start, naming the flag
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
+        .args(["-m", &model_path(), "--port", "0"])
+        .args(SHAPE)
+        .args(["--h2o-decode", "sparse", "--h2o-decode-budget", "4096"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--h2o-decode-budget"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

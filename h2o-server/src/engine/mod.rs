@@ -229,6 +229,9 @@ pub struct JobTimings {
     pub h2o_dense_tail_tokens: u32,
     pub h2o_memory_size: u32,
     pub h2o_policy: String,
+    /// Keys each decode step of this job read per head, on average: every cached position with
+    /// full-attention decode, fewer with `--h2o-decode sparse`.
+    pub h2o_decode_keys_per_step: f64,
     /// The context was shifted to make room (llama-server's `truncated`).
     #[serde(skip)]
     pub context_shifted: bool,
