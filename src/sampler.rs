@@ -359,6 +359,26 @@ impl Sampler {
         logits: &[f32],
         grammar: Option<NonNull<sys::llama_sampler>>,
     ) -> Token {
+        // SAFETY: the caller's grammar and our chain are live; the array points into
+        // `candidates`, which nothing touches until the read below.
+        unsafe {
+            let array = self.cut(logits, grammar, self.ptr);
+            let at = usize::try_from(array.selected).unwrap_or(0);
+            (*array.data.add(at)).id
+        }
+    }
+
+    /// Fills `candidates` with every token of `logits`, lets `grammar` (when given) and then
+    /// `chain` cut them, and returns the array they left (it points into `candidates`).
+    ///
+    /// # Safety
+    /// `grammar` and `chain` are live samplers.
+    unsafe fn cut(
+        &mut self,
+        logits: &[f32],
+        grammar: Option<NonNull<sys::llama_sampler>>,
+        chain: NonNull<sys::llama_sampler>,
+    ) -> sys::llama_token_data_array {
         self.candidates.clear();
         self.candidates
             .extend(
@@ -378,15 +398,14 @@ impl Sampler {
             sorted: false,
         };
         // SAFETY: the array points into `candidates`, alive and unmoved for the calls; the
-        // samplers are live.
+        // samplers are live (the caller's promise).
         unsafe {
             if let Some(g) = grammar {
                 sys::llama_sampler_apply(g.as_ptr(), &raw mut array);
             }
-            sys::llama_sampler_apply(self.ptr.as_ptr(), &raw mut array);
-            let at = usize::try_from(array.selected).unwrap_or(0);
-            (*array.data.add(at)).id
+            sys::llama_sampler_apply(chain.as_ptr(), &raw mut array);
         }
+        array
     }
 
     /// The distribution the chain's final draw picked `token` from (llama-server's
@@ -395,28 +414,10 @@ impl Sampler {
     /// largest logit has probability 1. `top` lists the `n` likeliest, by that probability and
     /// then by logit. Nothing is accepted and no random state moves.
     pub fn post_sampling_probs(&mut self, logits: &[f32], token: Token, n: usize) -> TokenLogprobs {
-        let mut candidates: Vec<sys::llama_token_data> = logits
-            .iter()
-            .enumerate()
-            .map(|(id, &logit)| sys::llama_token_data {
-                id: id as Token,
-                logit,
-                p: 0.0,
-            })
-            .collect();
-        let mut array = sys::llama_token_data_array {
-            data: candidates.as_mut_ptr(),
-            size: candidates.len(),
-            selected: -1,
-            sorted: false,
-        };
-        // SAFETY: the array points into `candidates`, alive and unmoved for the calls; the
-        // samplers are live, and neither the grammar's nor the cuts' apply changes their state.
+        // SAFETY: our samplers are live, and neither the grammar's nor the cuts' apply changes
+        // their state; the kept slice lies in `candidates`, untouched until it is read.
         let kept = unsafe {
-            if let Some(g) = self.grammar {
-                sys::llama_sampler_apply(g.as_ptr(), &raw mut array);
-            }
-            sys::llama_sampler_apply(self.cuts.as_ptr(), &raw mut array);
+            let array = self.cut(logits, self.grammar, self.cuts);
             std::slice::from_raw_parts(array.data, array.size)
         };
         TokenLogprobs::from_candidates(kept, logits, token, n)
