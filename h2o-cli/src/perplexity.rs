@@ -156,11 +156,9 @@ struct Report {
     prefill: Option<PrefillTimes>,
 }
 
-pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
-    if let Some(tail) = args.decode_tail {
-        return run_decode_tail(args, tail, interrupt);
-    }
-    let base = SessionConfig {
+/// The sessions' shape the flags give (full attention; callers add H2O).
+fn session_config(args: &PerplexityArgs) -> SessionConfig {
+    SessionConfig {
         n_ctx: args.ctx_size,
         n_batch: args.batch_size,
         n_ubatch: args.shape.ubatch_size,
@@ -168,7 +166,36 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         cache_type_k: args.cache_type_k,
         cache_type_v: args.cache_type_v,
         ..SessionConfig::default()
-    };
+    }
+}
+
+/// A one-line progress display on stderr when it is a terminal (and not `--json`); `done()`
+/// clears it.
+struct ProgressLine(bool);
+
+impl ProgressLine {
+    fn new(args: &PerplexityArgs) -> Self {
+        Self(!args.json && std::io::stderr().is_terminal())
+    }
+
+    fn show(&self, msg: &str) {
+        if self.0 {
+            eprint!("\r\x1b[Kperplexity: {msg}");
+        }
+    }
+
+    fn done(&self) {
+        if self.0 {
+            eprint!("\r\x1b[K");
+        }
+    }
+}
+
+pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    if let Some(tail) = args.decode_tail {
+        return run_decode_tail(args, tail, interrupt);
+    }
+    let base = session_config(args);
     // the main shape first (unless L = H = 0: full attention only, how the stock build, which
     // has no H2O, takes part), then the ablation's; each scored once
     let mut shapes: Vec<H2oConfig> = Vec::new();
@@ -202,7 +229,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         far_context: args.far_context,
         speed_reps: args.speed.unwrap_or(0),
     };
-    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let progress = ProgressLine::new(args);
     let scored = perplexity::perplexity(
         &model,
         &tokens,
@@ -210,16 +237,10 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         &shapes,
         &options,
         interrupt,
-        |msg| {
-            if show_progress {
-                eprint!("\r\x1b[Kperplexity: {msg}");
-            }
-        },
+        |msg| progress.show(msg),
     )
     .with_context(|| args.file.display().to_string())?;
-    if show_progress {
-        eprint!("\r\x1b[K");
-    }
+    progress.done();
     let main = &scored.shapes[0];
     let report = Report {
         file: args.file.display().to_string(),
@@ -265,20 +286,14 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
 /// `--decode-tail N`: sparse decode against full-attention decode on each window's last N tokens.
 fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool>) -> Result<()> {
     let base = SessionConfig {
-        n_ctx: args.ctx_size,
-        n_batch: args.batch_size,
-        n_ubatch: args.shape.ubatch_size,
-        n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
-        cache_type_k: args.cache_type_k,
-        cache_type_v: args.cache_type_v,
         h2o: Some(args.shape.config()),
-        ..SessionConfig::default()
+        ..session_config(args)
     };
     base.validate()?;
     let text = crate::read_text_file(&args.file, "text file")?;
     let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
     let tokens = model.tokenize(&text, true, false)?;
-    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let progress = ProgressLine::new(args);
     let r = decode_tail::decode_tail(
         &model,
         &tokens,
@@ -286,16 +301,10 @@ fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool
         tail,
         args.chunks,
         interrupt,
-        |msg| {
-            if show_progress {
-                eprint!("\r\x1b[Kperplexity: {msg}");
-            }
-        },
+        |msg| progress.show(msg),
     )
     .with_context(|| args.file.display().to_string())?;
-    if show_progress {
-        eprint!("\r\x1b[K");
-    }
+    progress.done();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
         return Ok(());
