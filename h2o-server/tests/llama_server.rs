@@ -27,6 +27,19 @@ fn first_token(server: &Server, body: &Value) -> (String, i64) {
     )
 }
 
+/// h2o-server with these flags (and the default model) stops at start with exit 3, naming
+/// `flag` on stderr.
+fn refused_at_start(args: &[&str], flag: &str) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
+        .args(["-m", &model_path(), "--port", "0"])
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{args:?}: {err}");
+    assert!(err.contains(flag), "{args:?}: {err}");
+}
+
 #[test]
 fn logit_bias_grammar_and_json_output_change_what_is_sampled() {
     let server = Server::start(SHAPE);
@@ -521,16 +534,9 @@ fn context_shift_lets_a_generation_go_past_its_slot() {
     drop(server);
 
     // H2O keeps its memory sets by position: the two are refused together, naming the flag
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
-        .args(["-m", &model_path(), "--port", "0", "--context-shift"])
-        .args(["--h2o-local", "16", "--h2o-heavy", "16"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(3));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--context-shift"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    refused_at_start(
+        &["--context-shift", "--h2o-local", "16", "--h2o-heavy", "16"],
+        "--context-shift",
     );
 }
 
@@ -656,16 +662,9 @@ fn a_unified_cache_lets_one_slot_use_what_the_others_leave() {
     drop(server);
 
     // H2O keeps each slot's state with its own stream: refused at start, naming the flag
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
-        .args(["-m", &model_path(), "--port", "0", "--kv-unified"])
-        .args(["--h2o-local", "16", "--h2o-heavy", "16"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(3));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--kv-unified"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    refused_at_start(
+        &["--kv-unified", "--h2o-local", "16", "--h2o-heavy", "16"],
+        "--kv-unified",
     );
 }
 
@@ -696,16 +695,7 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     drop(server);
 
     // a budget beyond a slot's context is refused at start, naming the flag
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
-        .args(["-m", &model_path(), "--port", "0"])
-        .args(SHAPE)
-        .args(["--h2o-decode", "sparse", "--h2o-decode-budget", "4096"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(3));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--h2o-decode-budget"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut args = SHAPE.to_vec();
+    args.extend(["--h2o-decode", "sparse", "--h2o-decode-budget", "4096"]);
+    refused_at_start(&args, "--h2o-decode-budget");
 }
