@@ -793,6 +793,30 @@ fn perplexity_scores_h2o_against_full_attention() {
     assert!(prefill["full_attention_seconds"].as_f64().unwrap() > 0.0);
     assert_eq!(prefill["shape_seconds"].as_array().unwrap().len(), 2);
     assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+
+    // --decode-tail: the window's last 40 tokens through sparse and full-attention decode
+    let o = perplexity(&[
+        "--h2o-decode",
+        "sparse",
+        "--h2o-decode-budget",
+        "64",
+        "--decode-tail",
+        "40",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let d: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(d["tail"], 40);
+    assert_eq!(d["summary"]["positions"], 39, "{d}");
+    assert!(d["summary"]["kld_mean"].as_f64().unwrap() > 0.0, "{d}");
+    // a step at position p reads 16 sinks, 64 chosen and the window from a block boundary
+    let keys = d["sparse_keys_per_step"].as_f64().unwrap();
+    assert!(keys < 16.0 + 64.0 + 32.0 + 16.0, "{d}");
+    assert!(d["full_keys_per_step"].as_f64().unwrap() > 470.0, "{d}");
+    assert!(d["sparse_steps_per_second"].as_f64().unwrap() > 0.0);
+    // without sparse decode there is nothing to compare
+    let o = perplexity(&["--decode-tail", "40"]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--h2o-decode sparse"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
