@@ -50,6 +50,35 @@ pub struct AttentionCapture {
     pub output: Vec<f32>,
 }
 
+/// The H2O sparse decode op of one layer in one decode step of one sequence, as the engine ran
+/// it (patch 0025): the query, the cache up to it, and the output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeCapture {
+    /// Model layer (from the op's graph name `h2o_decode-<layer>`).
+    pub layer: u32,
+    /// Positions the step sees (its own included): the cache's open cells.
+    pub n: u32,
+    /// The op's sink, recent window and budget (positions), and the logit scale.
+    pub sink: u32,
+    pub local: u32,
+    pub budget: u32,
+    pub scale: f32,
+    /// As [`AttentionCapture::softcap`] and [`AttentionCapture::sinks`].
+    pub softcap: f32,
+    pub sinks: Vec<f32>,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    pub head_dim_v: u32,
+    /// Q of the step's token, `[n_head][head_dim]`.
+    pub q: Vec<f32>,
+    /// K and V of positions `0 .. n`, `[position][n_head_kv][head_dim(_v)]`, as F32.
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    /// The op's output, `[n_head][head_dim_v]`.
+    pub output: Vec<f32>,
+}
+
 /// What the callback fills; owned (boxed, so its address is stable) by the session.
 #[derive(Debug, Default)]
 pub(crate) struct CaptureSink {
@@ -61,6 +90,7 @@ pub(crate) struct CaptureSink {
 #[derive(Debug, Default)]
 struct CaptureLog {
     captures: Vec<AttentionCapture>,
+    decode: Vec<DecodeCapture>,
     /// The first thing the callback could not read, reported by `take` instead of panicking
     /// across the FFI boundary.
     error: Option<String>,
@@ -75,6 +105,17 @@ impl CaptureSink {
                 Err(e)
             }
             None => Ok(std::mem::take(&mut log.captures)),
+        }
+    }
+
+    pub(crate) fn take_decode(&self) -> Result<Vec<DecodeCapture>, String> {
+        let mut log = self.captures.lock().unwrap_or_else(|e| e.into_inner());
+        match log.error.take() {
+            Some(e) => {
+                log.decode.clear();
+                Err(e)
+            }
+            None => Ok(std::mem::take(&mut log.decode)),
         }
     }
 
@@ -109,7 +150,7 @@ pub(crate) unsafe extern "C" fn eval_callback(
     // SAFETY: llama.cpp passes a valid node; user_data is the session's boxed sink, alive for
     // as long as the context.
     let (t, sink) = unsafe { (&*t, &*(user_data as *const CaptureSink)) };
-    if t.op != sys::GGML_OP_H2O_ATTN {
+    if t.op != sys::GGML_OP_H2O_ATTN && t.op != sys::GGML_OP_H2O_DECODE {
         return !ask;
     }
     if ask {
@@ -119,11 +160,18 @@ pub(crate) unsafe extern "C" fn eval_callback(
     let read = std::panic::catch_unwind(|| {
         // SAFETY: the node has just been computed and its sources are alive until the scheduler
         // moves on.
-        unsafe { read_h2o_node(t) }
+        unsafe {
+            if t.op == sys::GGML_OP_H2O_DECODE {
+                read_decode_node(t).map(Captured::Decode)
+            } else {
+                read_h2o_node(t).map(Captured::Prefill)
+            }
+        }
     });
     let mut log = sink.captures.lock().unwrap_or_else(|e| e.into_inner());
     match read {
-        Ok(Ok(c)) => log.captures.push(c),
+        Ok(Ok(Captured::Prefill(c))) => log.captures.push(c),
+        Ok(Ok(Captured::Decode(c))) => log.decode.push(c),
         Ok(Err(e)) => {
             log.error.get_or_insert(e);
         }
@@ -135,12 +183,88 @@ pub(crate) unsafe extern "C" fn eval_callback(
     true
 }
 
-/// The model layer of an H2O node, from its graph name `h2o_attn-<layer>`.
+#[cfg(not(feature = "stock"))]
+enum Captured {
+    Prefill(AttentionCapture),
+    Decode(DecodeCapture),
+}
+
+/// The model layer of an H2O node, from its graph name `h2o_attn-<layer>` or
+/// `h2o_decode-<layer>`.
 #[cfg(not(feature = "stock"))]
 fn node_layer(t: &sys::ggml_tensor) -> Option<u32> {
     // SAFETY: ggml names are NUL-terminated within their array.
     let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_string_lossy();
-    name.strip_prefix("h2o_attn-")?.parse().ok()
+    name.strip_prefix("h2o_attn-")
+        .or_else(|| name.strip_prefix("h2o_decode-"))?
+        .parse()
+        .ok()
+}
+
+/// Copies one `GGML_OP_H2O_DECODE` node of one sequence and one token (see `ggml_h2o_decode`
+/// for its layout): its open cells are those of the mask's first row.
+#[cfg(not(feature = "stock"))]
+unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String> {
+    // SAFETY: the caller guarantees a computed node, so its sources are valid tensors.
+    let (q, k, v, mask) = unsafe { (&*t.src[0], &*t.src[1], &*t.src[2], &*t.src[5]) };
+    let layer = node_layer(t).ok_or("unexpected H2O decode node name")?;
+    if q.ne[2] != 1 || q.ne[3] != 1 {
+        return Err(format!(
+            "layer {layer}: decode capture reads one sequence's one-token steps"
+        ));
+    }
+    let n_kv = mask.ne[0] as usize;
+    // the mask's first row: F32, or F16 whose -inf is 0xFC00
+    let open: Vec<bool> = match mask.type_ {
+        sys::GGML_TYPE_F32 => {
+            // SAFETY: the row lies inside the mask.
+            let row = unsafe { read_rows_f32(mask, n_kv, 1, 1) };
+            row.iter().map(|&m| m != f32::NEG_INFINITY).collect()
+        }
+        sys::GGML_TYPE_F16 => {
+            let mut raw = vec![0u16; n_kv];
+            // SAFETY: as above, n_kv F16 values.
+            unsafe { sys::ggml_backend_tensor_get(mask, raw.as_mut_ptr().cast(), 0, n_kv * 2) };
+            raw.iter().map(|&m| m != 0xFC00).collect()
+        }
+        _ => return Err(format!("layer {layer}: unexpected mask type")),
+    };
+    let n = open.iter().rposition(|&o| o).map_or(0, |i| i + 1);
+    let (d, n_head, n_head_kv, dv) = (
+        q.ne[0] as usize,
+        q.ne[1] as usize,
+        k.ne[1] as usize,
+        v.ne[0] as usize,
+    );
+    let p = &t.op_params;
+    // SAFETY (all four): shapes and strides come from the tensors themselves.
+    let qv = unsafe { read_rows_f32(q, d, n_head, 1) };
+    let kv = unsafe { read_rows(k, d, n_head_kv, n) }?;
+    let vv = unsafe { read_rows(v, dv, n_head_kv, n) }?;
+    let out = unsafe { read_rows_f32(t, dv, n_head, 1) };
+    let sinks = match t.src[6].is_null() {
+        true => Vec::new(),
+        // SAFETY: a computed node's sources are valid; the sinks are F32 [n_head].
+        false => unsafe { read_rows_f32(&*t.src[6], n_head, 1, 1) },
+    };
+    Ok(DecodeCapture {
+        layer,
+        n: n as u32,
+        sink: p[0] as u32,
+        local: p[1] as u32,
+        budget: p[2] as u32,
+        scale: f32::from_bits(p[6] as u32),
+        softcap: f32::from_bits(p[12] as u32),
+        sinks,
+        n_head: n_head as u32,
+        n_head_kv: n_head_kv as u32,
+        head_dim: d as u32,
+        head_dim_v: dv as u32,
+        q: qv,
+        k: kv,
+        v: vv,
+        output: out,
+    })
 }
 
 /// Copies one `GGML_OP_H2O_ATTN` node (see `ggml_h2o_attn` for its layout).

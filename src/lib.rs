@@ -52,7 +52,7 @@ pub mod scoring;
 mod session;
 
 pub use backend::set_log_echo;
-pub use capture::AttentionCapture;
+pub use capture::{AttentionCapture, DecodeCapture};
 pub use chat::ChatMessage;
 #[cfg(not(feature = "stock"))]
 pub use chat_templates::{

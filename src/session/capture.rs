@@ -2,7 +2,7 @@
 //! the layer-by-layer proof against [`crate::reference`].
 
 use super::Session;
-use crate::capture::{AttentionCapture, CaptureSink};
+use crate::capture::{AttentionCapture, CaptureSink, DecodeCapture};
 use crate::error::{Error, Result};
 
 impl Session<'_> {
@@ -15,6 +15,16 @@ impl Session<'_> {
     pub fn take_attention_captures(&mut self) -> Result<Vec<AttentionCapture>> {
         let sink = self.capture_sink()?;
         sink.take().map_err(Error::Capture)
+    }
+
+    /// The H2O sparse decode ops run since the last call (patch 0025), one [`DecodeCapture`] per
+    /// layer and decode step, in the order they ran.
+    ///
+    /// # Errors
+    /// As [`Session::take_attention_captures`].
+    pub fn take_decode_captures(&mut self) -> Result<Vec<DecodeCapture>> {
+        let sink = self.capture_sink()?;
+        sink.take_decode().map_err(Error::Capture)
     }
 
     /// Limits attention capture to these model layers (`None`: every layer), so that a long
