@@ -194,3 +194,53 @@ fn bad_budgets_are_refused_by_name() {
         );
     }
 }
+
+#[test]
+fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
+    // 1,000 prompt tokens, a budget of 128 (8 of about 56 candidate blocks): each layer's op,
+    // captured, against reference::decode_step's choice and attention in f64
+    let m = common::model();
+    let mut s = Session::new(
+        m,
+        SessionConfig {
+            capture_attention: true,
+            ..config(128)
+        },
+    )
+    .unwrap();
+    let p = prompt(1001);
+    s.evaluate(&p[..1000]).unwrap();
+    s.take_attention_captures().unwrap();
+    s.evaluate(&p[1000..]).unwrap();
+    let steps = s.take_decode_captures().unwrap();
+    assert_eq!(steps.len() as u32, m.n_layer(), "one capture per layer");
+    let (mut compared, mut near_ties, mut worst) = (0, 0, 0.0_f64);
+    for c in &steps {
+        assert_eq!(c.n, 1001);
+        assert_eq!((c.local, c.budget), (64, 128));
+        let (plans, out) = h2o_llama::reference::decode_step(c);
+        let dv = c.head_dim_v as usize;
+        let group = (c.n_head / c.n_head_kv) as usize;
+        for (kvh, plan) in plans.iter().enumerate() {
+            assert_eq!(plan.blocks.len(), 8);
+            // a near tie may rank the other way in the engine's F32: not compared
+            if plan.margin < 1e-4 {
+                near_ties += 1;
+                continue;
+            }
+            compared += 1;
+            let heads = kvh * group * dv..(kvh + 1) * group * dv;
+            for (&engine, &reference) in c.output[heads.clone()].iter().zip(&out[heads]) {
+                worst = worst.max((f64::from(engine) - reference).abs());
+            }
+        }
+    }
+    eprintln!(
+        "{compared} KV heads compared, {near_ties} near ties left out: max |Δ out| {worst:.2e}"
+    );
+    assert!(
+        compared * 10 >= (compared + near_ties) * 9,
+        "too many near ties"
+    );
+    assert!(worst < 1e-4, "max |Δ out| {worst}");
+}
