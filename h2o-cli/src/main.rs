@@ -634,16 +634,11 @@ fn report(
 /// The mean of the keys each decode step after a prompt of `n_prompt` tokens read, per head
 /// (`H2oConfig::decode_keys`); 0 when nothing was decoded.
 fn decode_keys_per_step(session: &Session, n_prompt: usize) -> f64 {
-    let n_end = session.n_past();
     let first = u32::try_from(n_prompt)
         .unwrap_or(u32::MAX)
         .saturating_add(1);
-    if first > n_end {
-        return 0.0;
-    }
     let h2o = session.config().h2o.unwrap_or_default();
-    let total: u64 = (first..=n_end).map(|n| u64::from(h2o.decode_keys(n))).sum();
-    total as f64 / f64::from(n_end - first + 1)
+    h2o.mean_decode_keys(first, session.n_past())
 }
 
 /// Loads `path` into the fresh `session` when its tokens begin `prompt`; returns how many prompt

@@ -205,6 +205,17 @@ impl H2oConfig {
         (sink_blocks + chosen) * b + (n - recent_block * b)
     }
 
+    /// The mean of [`Self::decode_keys`] over decode steps seeing `first ..= last` positions
+    /// (0 for no step): what a generation after a prompt of `first - 1` tokens read per step.
+    #[must_use]
+    pub fn mean_decode_keys(&self, first: u32, last: u32) -> f64 {
+        if first > last {
+            return 0.0;
+        }
+        let total: u64 = (first..=last).map(|n| u64::from(self.decode_keys(n))).sum();
+        total as f64 / f64::from(last - first + 1)
+    }
+
     /// False for L = H = 0, which means stock attention.
     #[must_use]
     pub fn is_enabled(&self) -> bool {
@@ -533,5 +544,8 @@ mod tests {
         // fewer positions than a block: all of them
         assert_eq!(sparse.decode_keys(10), 10);
         assert_eq!(sparse.decode_keys(0), 0);
+        // the mean over steps: full decode reads one more key each step
+        assert_eq!(full.mean_decode_keys(10, 12), 11.0);
+        assert_eq!(full.mean_decode_keys(5, 4), 0.0);
     }
 }

@@ -1001,14 +1001,15 @@ impl<'m> Engine<'m> {
                 _ => (0, 0, 0, 0, "full".to_string()),
             };
         // decode steps ran after the prompt, one per generated token but the last
-        let h2o = self.session.h2o(slot as u32).unwrap_or_default();
-        let steps = (a.prompt.len() + 1..a.prompt.len() + predicted_n).map(|n| n as u32);
-        let n_steps = predicted_n.saturating_sub(1);
-        let h2o_decode_keys_per_step = if n_steps == 0 {
-            0.0
-        } else {
-            steps.map(|n| f64::from(h2o.decode_keys(n))).sum::<f64>() / n_steps as f64
-        };
+        let n_prompt = a.prompt.len() as u32;
+        let h2o_decode_keys_per_step = self
+            .session
+            .h2o(slot as u32)
+            .unwrap_or_default()
+            .mean_decode_keys(
+                n_prompt + 1,
+                n_prompt + predicted_n.saturating_sub(1) as u32,
+            );
         JobTimings {
             prompt_n,
             prompt_ms,
