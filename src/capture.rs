@@ -98,24 +98,25 @@ struct CaptureLog {
 
 impl CaptureSink {
     pub(crate) fn take(&self) -> Result<Vec<AttentionCapture>, String> {
-        let mut log = self.captures.lock().unwrap_or_else(|e| e.into_inner());
-        match log.error.take() {
-            Some(e) => {
-                log.captures.clear();
-                Err(e)
-            }
-            None => Ok(std::mem::take(&mut log.captures)),
-        }
+        self.take_from(|log| &mut log.captures)
     }
 
     pub(crate) fn take_decode(&self) -> Result<Vec<DecodeCapture>, String> {
+        self.take_from(|log| &mut log.decode)
+    }
+
+    /// What one list of the log holds, emptied; or the callback's first error, which empties
+    /// that list instead.
+    fn take_from<T>(
+        &self,
+        list: impl FnOnce(&mut CaptureLog) -> &mut Vec<T>,
+    ) -> Result<Vec<T>, String> {
         let mut log = self.captures.lock().unwrap_or_else(|e| e.into_inner());
-        match log.error.take() {
-            Some(e) => {
-                log.decode.clear();
-                Err(e)
-            }
-            None => Ok(std::mem::take(&mut log.decode)),
+        let error = log.error.take();
+        let taken = std::mem::take(list(&mut log));
+        match error {
+            Some(e) => Err(e),
+            None => Ok(taken),
         }
     }
 
@@ -242,11 +243,8 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
     let kv = unsafe { read_rows(k, d, n_head_kv, n) }?;
     let vv = unsafe { read_rows(v, dv, n_head_kv, n) }?;
     let out = unsafe { read_rows_f32(t, dv, n_head, 1) };
-    let sinks = match t.src[6].is_null() {
-        true => Vec::new(),
-        // SAFETY: a computed node's sources are valid; the sinks are F32 [n_head].
-        false => unsafe { read_rows_f32(&*t.src[6], n_head, 1, 1) },
-    };
+    // SAFETY: as above.
+    let sinks = unsafe { read_sinks(t, n_head) };
     Ok(DecodeCapture {
         layer,
         n: n as u32,
@@ -297,11 +295,8 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
     let kv = unsafe { read_rows(k, d, n_head_kv, n_pos) }?;
     let vv = unsafe { read_rows(v, dv, n_head_kv, n_pos) }?;
     let out = unsafe { read_rows_f32(t, dv, n_head, n_tokens) };
-    let sinks = match t.src[6].is_null() {
-        true => Vec::new(),
-        // SAFETY: a computed node's sources are valid; the sinks are F32 [n_head] (ggml_h2o_attn_set_logits).
-        false => unsafe { read_rows_f32(&*t.src[6], n_head, 1, 1) },
-    };
+    // SAFETY: a computed node's sources are valid.
+    let sinks = unsafe { read_sinks(t, n_head) };
     Ok(AttentionCapture {
         layer,
         p0: p0 as u32,
@@ -324,6 +319,20 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
         v: vv,
         output: out,
     })
+}
+
+/// The learned attention sink of every query head an H2O op ran with (empty: none).
+///
+/// # Safety
+/// `t` is a computed H2O node, whose `src[6]` is null or F32 `[n_head]`
+/// (`ggml_h2o_attn_set_logits`).
+#[cfg(not(feature = "stock"))]
+unsafe fn read_sinks(t: &sys::ggml_tensor, n_head: usize) -> Vec<f32> {
+    match t.src[6].is_null() {
+        true => Vec::new(),
+        // SAFETY: the caller's promise.
+        false => unsafe { read_rows_f32(&*t.src[6], n_head, 1, 1) },
+    }
 }
 
 /// Byte offsets of rows `[i2][i1]` (each `ne0` elements long) of a 3-d tensor.
