@@ -423,8 +423,11 @@ impl<'m> Engine<'m> {
                 match command {
                     Command::Submit(p, tx) => self.queue.push_back((p, tx)),
                     Command::Slot(id, op, reply) => {
-                        let _ = reply.send(self.slot_op(id, op));
+                        // publish before replying: a client that reads /slots right after the
+                        // answer must see the operation's effect
+                        let done = self.slot_op(id, op);
                         self.publish_slots();
+                        let _ = reply.send(done);
                     }
                     Command::Shutdown => self.stopping.store(true, Ordering::SeqCst),
                 }
@@ -500,17 +503,20 @@ impl<'m> Engine<'m> {
         }
         for slot in 0..self.slots.len() {
             if self.slots[slot].as_ref().is_some_and(|a| a.tx.is_closed()) {
-                self.free(slot);
+                self.release(slot);
                 Metrics::add(&self.metrics.requests_cancelled, 1);
             }
         }
     }
 
-    fn free(&mut self, slot: usize) {
+    /// Takes a slot's job off it and shows the slot idle before the job's client hears its end:
+    /// a client that reads `/slots` right after its answer sees the slot free.
+    fn release(&mut self, slot: usize) -> Option<Active> {
         self.last_used[slot] = Instant::now();
-        if self.slots[slot].take().is_some() {
-            self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
-        }
+        let a = self.slots[slot].take()?;
+        self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
+        self.publish_slots();
+        Some(a)
     }
 
     /// Gives queued jobs the free slots, each the slot whose cached tokens share the longest
@@ -801,7 +807,7 @@ impl<'m> Engine<'m> {
                 self.take_token(slot, token);
             }
             Err(h2o_llama::Error::Interrupted) if a.tx.is_closed() => {
-                self.free(slot);
+                self.release(slot);
                 Metrics::add(&self.metrics.requests_cancelled, 1);
             }
             // the server is stopping: the next turn of the loop cancels every job
@@ -945,10 +951,9 @@ impl<'m> Engine<'m> {
     }
 
     fn finish(&mut self, slot: usize, finish: FinishReason) {
-        let Some(a) = self.slots[slot].take() else {
+        let Some(a) = self.release(slot) else {
             return;
         };
-        self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
         Metrics::add(&self.metrics.requests_total, 1);
         let timings = self.timings(slot, &a);
         let _ = a.tx.send(Event::Done {
@@ -960,8 +965,7 @@ impl<'m> Engine<'m> {
     }
 
     fn fail(&mut self, slot: usize, e: JobError) {
-        if let Some(a) = self.slots[slot].take() {
-            self.metrics.slots_busy.fetch_sub(1, Ordering::SeqCst);
+        if let Some(a) = self.release(slot) {
             Metrics::add(&self.metrics.requests_total, 1);
             Metrics::add(&self.metrics.requests_failed, 1);
             let _ = a.tx.send(Event::Failed(e));
