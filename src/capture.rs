@@ -75,6 +75,10 @@ pub struct DecodeCapture {
     /// K and V of positions `0 .. n`, `[position][n_head_kv][head_dim(_v)]`, as F32.
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    /// The channels of each KV head's key sketch, `[n_head_kv][head_dim / 4]`, ascending, and
+    /// the blocks sketched after the step (the state the op keeps with the cache).
+    pub sketch_channels: Vec<u32>,
+    pub sketched_blocks: u32,
     /// The op's output, `[n_head][head_dim_v]`.
     pub output: Vec<f32>,
 }
@@ -245,6 +249,15 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
     let out = unsafe { read_rows_f32(t, dv, n_head, 1) };
     // SAFETY: as above.
     let sinks = unsafe { read_sinks(t, n_head) };
+    // the sketch state, I32 [1 + n_head_kv * head_dim / 4] for the step's one stream
+    // SAFETY: a computed node's sources are valid.
+    let state = unsafe { &*t.src[4] };
+    let mut sketch = vec![0i32; 1 + n_head_kv * (d / 4)];
+    if state.type_ != sys::GGML_TYPE_I32 || state.ne[0] as usize != sketch.len() {
+        return Err(format!("layer {layer}: unexpected sketch state"));
+    }
+    // SAFETY: the row lies inside the tensor (checked above).
+    unsafe { sys::ggml_backend_tensor_get(state, sketch.as_mut_ptr().cast(), 0, sketch.len() * 4) };
     Ok(DecodeCapture {
         layer,
         n: n as u32,
@@ -261,6 +274,8 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
         q: qv,
         k: kv,
         v: vv,
+        sketch_channels: sketch[1..].iter().map(|&c| c as u32).collect(),
+        sketched_blocks: sketch[0] as u32,
         output: out,
     })
 }

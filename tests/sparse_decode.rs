@@ -1,6 +1,6 @@
 //! Sparse decode (patch 0025, `H2oConfig::decode_budget`) on the default model: with a budget
 //! that covers the whole context, a decode step is full attention; with a small one, each step
-//! reads its sinks, its recent window and the blocks its query points at, and its next-token
+//! reads its sinks, its recent window and the positions its query points at, and its next-token
 //! distribution stays close to full attention's on the same cache; sequences decoding together
 //! in one `ParallelSession` step get what each gets alone; bad budgets are refused by name.
 #![cfg(not(feature = "stock"))]
@@ -130,7 +130,10 @@ fn a_budget_covering_the_context_decodes_as_full_attention() {
         }),
         ..config(decode_budget)
     };
-    let mut a = Session::new(m, dense(1024)).unwrap();
+    // 640 positions of budget cover the 608 candidates of a step at 701, while the step's 768
+    // cells (llama.cpp pads the cache view to 256) exceed the budget, the first block and the
+    // window of 64 together, so that the op runs
+    let mut a = Session::new(m, dense(640)).unwrap();
     a.evaluate(prefix).unwrap();
     a.take_attention_captures().unwrap();
     a.evaluate(last).unwrap();
@@ -152,7 +155,7 @@ fn a_budget_covering_the_context_decodes_as_full_attention() {
     let mut b = Session::new(m, dense(0)).unwrap();
     b.evaluate(&p).unwrap();
     let prefill = b.take_attention_captures().unwrap();
-    let first = prefill.iter().filter(|c| c.layer == 0).last().unwrap();
+    let first = prefill.iter().rfind(|c| c.layer == 0).unwrap();
     let (n_head, dv) = (first.n_head as usize, first.head_dim_v as usize);
     let t = (700 - first.p0) as usize;
     let d = common::max_abs_diff(
@@ -163,14 +166,14 @@ fn a_budget_covering_the_context_decodes_as_full_attention() {
     assert!(d < 1e-5, "max |Δ out| {d}");
 
     // and teacher-forced steps against llama.cpp's full-attention decode agree on every token
-    let (max_diff, kl, agree) = compare(&prompt(700), 1024);
-    eprintln!("budget 1024 over 712 positions vs llama.cpp's decode: max |Δ logit| {max_diff:.2}, KLD {kl:.2e}");
+    let (max_diff, kl, agree) = compare(&prompt(700), 640);
+    eprintln!("budget 640 over 712 positions vs llama.cpp's decode: max |Δ logit| {max_diff:.2}, KLD {kl:.2e}");
     assert!(agree >= STEPS - 1, "top-1 agreement {agree}/{STEPS}");
     assert!(kl < 0.01, "mean KLD {kl}");
 }
 
 #[test]
-fn a_small_budget_reads_a_few_blocks_and_stays_close_to_full_attention() {
+fn a_small_budget_reads_a_few_positions_and_stays_close_to_full_attention() {
     // 1600 prompt tokens; a step reads 16 sinks, 64 recent positions and 256 chosen: a fifth
     let p = prompt(1600);
     let (max_diff, kl, agree) = compare(&p, 256);
@@ -181,12 +184,12 @@ fn a_small_budget_reads_a_few_blocks_and_stays_close_to_full_attention() {
     );
     assert!(kl < 0.15, "mean KLD {kl}");
     assert!(3 * agree >= 2 * STEPS, "top-1 agreement {agree}/{STEPS}");
-    // the chosen blocks carry the attention: one block (the least budget) is much further off
+    // the chosen positions carry the attention: 16 (the least budget) are much further off
     let (_, kl_one, _) = compare(&p, 16);
     eprintln!("budget 16: KLD {kl_one:.4}");
     assert!(
         kl_one > 2.0 * kl,
-        "one block: KLD {kl_one}, sixteen chosen blocks: {kl}"
+        "16 positions: KLD {kl_one}, 256 chosen: {kl}"
     );
 }
 
@@ -234,6 +237,32 @@ fn sequences_decoding_together_get_what_each_gets_alone() {
 }
 
 #[test]
+fn a_step_whose_cells_fit_in_the_budget_is_llama_cpps_own_attention() {
+    // 700 prompt tokens in a cache view of 768 cells: a budget of 1024 with the first block and
+    // the window would read them all, so the step runs llama.cpp's attention and its logits are
+    // full decode's, bit for bit
+    let (max_diff, kl, agree) = compare(&prompt(700), 1024);
+    assert_eq!(max_diff, 0.0, "KLD {kl}");
+    assert_eq!(agree, STEPS);
+    let m = common::model();
+    let mut s = Session::new(
+        m,
+        SessionConfig {
+            capture_attention: true,
+            ..config(1024)
+        },
+    )
+    .unwrap();
+    s.evaluate(&prompt(700)).unwrap();
+    s.take_attention_captures().unwrap();
+    s.evaluate(&[11]).unwrap();
+    assert!(
+        s.take_decode_captures().unwrap().is_empty(),
+        "no sparse decode op ran"
+    );
+}
+
+#[test]
 fn bad_budgets_are_refused_by_name() {
     let m = common::model();
     for (budget, names) in [
@@ -252,8 +281,9 @@ fn bad_budgets_are_refused_by_name() {
 
 #[test]
 fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
-    // 1,000 prompt tokens, a budget of 128 (8 of about 56 candidate blocks): each layer's op,
-    // captured, against reference::decode_step's choice and attention in f64
+    // 1,000 prompt tokens, a budget of 128 positions (of about 870 candidates): each layer's
+    // op, captured, against reference::decode_step's choice and attention in f64; and each KV
+    // head's sketch channels against the key energy of the prompt's complete blocks
     let m = common::model();
     let mut s = Session::new(
         m,
@@ -273,11 +303,35 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
     for c in &steps {
         assert_eq!(c.n, 1001);
         assert_eq!((c.local, c.budget), (64, 128));
+        // the first step sketches the 62 complete blocks, its channels chosen from their keys
+        assert_eq!(c.sketched_blocks, 62);
+        let (d, n_head_kv) = (c.head_dim as usize, c.n_head_kv as usize);
+        for kvh in 0..n_head_kv {
+            let key = |pos: usize| &c.k[(pos * n_head_kv + kvh) * d..][..d];
+            let energy = h2o_llama::reference::channel_energy(key, 62 * 16, d);
+            let chosen = &c.sketch_channels[kvh * (d / 4)..][..d / 4];
+            assert!(chosen.windows(2).all(|w| w[0] < w[1]), "{chosen:?}");
+            // every kept channel holds at least the energy of every channel left out (within
+            // the engine's rounding)
+            let kept_min = chosen
+                .iter()
+                .map(|&ch| energy[ch as usize])
+                .fold(f64::INFINITY, f64::min);
+            for (ch, &e) in energy.iter().enumerate() {
+                if !chosen.contains(&(ch as u32)) {
+                    assert!(
+                        e <= kept_min * (1.0 + 1e-6),
+                        "layer {} KV head {kvh}: channel {ch}",
+                        c.layer
+                    );
+                }
+            }
+        }
         let (plans, out) = h2o_llama::reference::decode_step(c);
         let dv = c.head_dim_v as usize;
         let group = (c.n_head / c.n_head_kv) as usize;
         for (kvh, plan) in plans.iter().enumerate() {
-            assert_eq!(plan.blocks.len(), 8);
+            assert_eq!(plan.chosen.len(), 128);
             // a near tie may rank the other way in the engine's F32: not compared
             if plan.margin < 1e-4 {
                 near_ties += 1;

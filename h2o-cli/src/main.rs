@@ -147,7 +147,7 @@ struct Cli {
 enum DecodeMode {
     /// every step reads the whole cache (llama.cpp's decode)
     Full,
-    /// every step reads its sinks, recent window and the blocks its query points at
+    /// every step reads its sinks, recent window and the positions its query points at
     Sparse,
 }
 
@@ -178,12 +178,12 @@ struct H2oPolicy {
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     tile_samples: u32,
     /// H2O decode: full (each generated token reads the whole cache) or sparse (the first block,
-    /// the last --h2o-local positions, and the blocks of 16 its query points at, up to
-    /// --h2o-decode-budget positions; the cache is kept whole)
+    /// the last --h2o-local positions, and the --h2o-decode-budget positions its query points at,
+    /// by logits estimated from a quarter of the key channels; the cache is kept whole)
     #[arg(long = "h2o-decode", value_name = "MODE", value_enum, default_value_t = DecodeMode::Full)]
     decode: DecodeMode,
-    /// H2O sparse decode: positions a step chooses by block, besides the first block and the
-    /// recent window (at most -c)
+    /// H2O sparse decode: positions a step chooses, besides the first block and the recent
+    /// window (at most -c)
     #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
     decode_budget: u32,
 }

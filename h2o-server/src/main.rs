@@ -158,12 +158,12 @@ struct Cli {
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     h2o_tile_samples: u32,
     /// H2O decode: full (each generated token reads the slot's whole cache) or sparse (the first
-    /// block, the last --h2o-local positions and the blocks of 16 its query points at, up to
-    /// --h2o-decode-budget positions; the cache is kept whole)
+    /// block, the last --h2o-local positions and the --h2o-decode-budget positions its query
+    /// points at, by logits estimated from a quarter of the key channels; the cache is kept whole)
     #[arg(long = "h2o-decode", value_name = "MODE", default_value = "full",
           value_parser = ["full", "sparse"])]
     h2o_decode: String,
-    /// H2O sparse decode: positions a step chooses by block (at most a slot's context)
+    /// H2O sparse decode: positions a step chooses (at most a slot's context)
     #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
     h2o_decode_budget: u32,
     /// The model's name in /v1/models and in answers; several, comma-separated, are aliases

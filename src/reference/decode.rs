@@ -1,12 +1,13 @@
-//! Sparse decode (patch 0025, `ggml_h2o_decode`) in f64: which blocks a decode step reads, and
-//! the step's attention over them.
+//! Sparse decode (patch 0025, `ggml_h2o_decode`) in f64: which positions a decode step reads,
+//! and the step's attention over them.
 //!
 //! A step at `n` visible positions reads the first `max(ceil(sink/B), 1)` blocks of `B`
 //! positions, the recent window from the block boundary at or below `n - local`, and, of the
-//! complete blocks between them, the `budget / B` with the largest score. A block's score sums,
-//! over the query heads of its KV head, that head's softmax share of the block's bound of q·k,
-//! where the bound takes per channel the block's key maximum for q ≥ 0 and its minimum for
-//! q < 0 (Quest).
+//! positions of the sketched blocks between them, the `budget` whose gap is least. A position's
+//! gap is how far its estimated logit stands below the best estimate of the same query head, the
+//! least over the query heads of its KV head; the estimate is the product of the query and the
+//! key on the KV head's sketch channels, the quarter of the channels whose keys held the most
+//! energy when the first block was sketched.
 
 use crate::capture::DecodeCapture;
 
@@ -19,11 +20,11 @@ pub struct DecodePlan {
     /// Positions `[0, sink_end)` and `[recent_begin, n)` are read whole.
     pub sink_end: usize,
     pub recent_begin: usize,
-    /// The chosen blocks between them, ascending.
-    pub blocks: Vec<usize>,
-    /// How far the last chosen block's score stands above the best one left out, relative to
-    /// it (`f64::INFINITY` when nothing was left out): near 0, the engine's F32 scores may
-    /// rank the two the other way.
+    /// The chosen positions between them, ascending.
+    pub chosen: Vec<usize>,
+    /// How far the least gap left out stands above the largest one chosen, relative to it
+    /// (`f64::INFINITY` when nothing was left out): near 0, the engine's F32 gaps may rank the
+    /// two the other way.
     pub margin: f64,
 }
 
@@ -32,16 +33,38 @@ impl DecodePlan {
     #[must_use]
     pub fn positions(&self, n: usize) -> Vec<usize> {
         let mut p: Vec<usize> = (0..self.sink_end.min(n)).collect();
-        for &b in &self.blocks {
-            p.extend(b * DECODE_BLOCK..(b + 1) * DECODE_BLOCK);
-        }
+        p.extend(&self.chosen);
         p.extend(self.recent_begin.max(self.sink_end)..n);
         p
     }
 }
 
-/// The blocks the query heads `queries` (each `d` values, scaled by `scale`) of one KV head
-/// read, whose keys are `key(pos)` (`d` values) for positions `0 .. n`.
+/// Each channel's key energy over positions `0 .. n`: the sum of its squares.
+pub fn channel_energy<'k>(key: impl Fn(usize) -> &'k [f32], n: usize, d: usize) -> Vec<f64> {
+    let mut e = vec![0.0_f64; d];
+    for pos in 0..n {
+        for (acc, &x) in e.iter_mut().zip(key(pos)) {
+            *acc += f64::from(x) * f64::from(x);
+        }
+    }
+    e
+}
+
+/// The sketch channels of a KV head whose keys over positions `0 .. n` are `key(pos)`: the
+/// `d / 4` channels of most energy, ties to the lower channel, ascending.
+pub fn sketch_channels<'k>(key: impl Fn(usize) -> &'k [f32], n: usize, d: usize) -> Vec<usize> {
+    let e = channel_energy(key, n, d);
+    let mut order: Vec<usize> = (0..d).collect();
+    order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+    let mut chosen = order[..d / 4].to_vec();
+    chosen.sort_unstable();
+    chosen
+}
+
+/// What the query heads `queries` (each `d` values, scaled by `scale`) of one KV head read,
+/// whose keys are `key(pos)` for positions `0 .. n`, with `channels` as its sketch and the
+/// first `sketched` blocks sketched.
+#[allow(clippy::too_many_arguments)]
 pub fn decode_plan<'k>(
     queries: &[&[f32]],
     key: impl Fn(usize) -> &'k [f32],
@@ -50,77 +73,60 @@ pub fn decode_plan<'k>(
     sink: usize,
     local: usize,
     budget: usize,
+    channels: &[usize],
+    sketched: usize,
 ) -> DecodePlan {
     let b = DECODE_BLOCK;
-    let n_full = n / b;
+    let n_full = (n / b).min(sketched);
     let sink_blocks = sink.div_ceil(b).max(1).min(n_full);
     let recent_block = (n.saturating_sub(local) / b).min(n_full).max(sink_blocks);
-    let candidates: Vec<usize> = (sink_blocks..recent_block).collect();
-    let take = (budget / b).min(candidates.len());
+    let candidates: Vec<usize> = (sink_blocks * b..recent_block * b).collect();
+    let take = budget.min(candidates.len());
     let mut plan = DecodePlan {
         sink_end: sink_blocks * b,
         recent_begin: recent_block * b,
-        blocks: candidates.clone(),
+        chosen: candidates.clone(),
         margin: f64::INFINITY,
     };
     if take == candidates.len() {
         return plan;
     }
-    let d = queries.first().map_or(0, |q| q.len());
-    // each candidate block's channel minima and maxima
-    let bounds: Vec<(Vec<f64>, Vec<f64>)> = candidates
+    let estimates: Vec<Vec<f64>> = queries
         .iter()
-        .map(|&blk| {
-            let mut lo = vec![f64::INFINITY; d];
-            let mut hi = vec![f64::NEG_INFINITY; d];
-            for pos in blk * b..(blk + 1) * b {
-                for (c, &x) in key(pos).iter().enumerate() {
-                    lo[c] = lo[c].min(f64::from(x));
-                    hi[c] = hi[c].max(f64::from(x));
-                }
-            }
-            (lo, hi)
+        .map(|q| {
+            candidates
+                .iter()
+                .map(|&pos| {
+                    let k = key(pos);
+                    channels
+                        .iter()
+                        .map(|&c| f64::from(q[c]) * scale * f64::from(k[c]))
+                        .sum()
+                })
+                .collect()
         })
         .collect();
-    let mut score = vec![0.0_f64; candidates.len()];
-    for q in queries {
-        let u: Vec<f64> = bounds
-            .iter()
-            .map(|(lo, hi)| {
-                q.iter()
-                    .enumerate()
-                    .map(|(c, &x)| {
-                        let x = f64::from(x) * scale;
-                        if x >= 0.0 {
-                            x * hi[c]
-                        } else {
-                            x * lo[c]
-                        }
-                    })
-                    .sum()
-            })
-            .collect();
-        let max = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let e: Vec<f64> = u.iter().map(|&x| (x - max).exp()).collect();
-        let z: f64 = e.iter().sum();
-        for (s, x) in score.iter_mut().zip(e) {
-            *s += x / z;
+    let mut gap = vec![f64::INFINITY; candidates.len()];
+    for u in &estimates {
+        let best = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        for (g, &x) in gap.iter_mut().zip(u) {
+            *g = g.min(best - x);
         }
     }
-    // the largest scores, ties to the earlier block
+    // the least gaps, ties to the earlier position
     let mut order: Vec<usize> = (0..candidates.len()).collect();
-    order.sort_by(|&i, &j| score[j].total_cmp(&score[i]).then(i.cmp(&j)));
-    let (last_in, first_out) = (score[order[take - 1]], score[order[take]]);
-    plan.margin = (last_in - first_out) / last_in.abs().max(f64::MIN_POSITIVE);
+    order.sort_by(|&i, &j| gap[i].total_cmp(&gap[j]).then(i.cmp(&j)));
+    let (last_in, first_out) = (gap[order[take - 1]], gap[order[take]]);
+    plan.margin = (first_out - last_in) / last_in.abs().max(f64::MIN_POSITIVE);
     let mut chosen: Vec<usize> = order[..take].iter().map(|&i| candidates[i]).collect();
     chosen.sort_unstable();
-    plan.blocks = chosen;
+    plan.chosen = chosen;
     plan
 }
 
-/// A captured decode step recomputed: per KV head its plan, and per query head the output
-/// (`[n_head][head_dim_v]`) of one softmax over the plan's positions, with the capture's logit
-/// scale, soft-cap and learned sinks.
+/// A captured decode step recomputed: per KV head its plan (with the sketch channels the op
+/// kept), and per query head the output (`[n_head][head_dim_v]`) of one softmax over the plan's
+/// positions, with the capture's logit scale, soft-cap and learned sinks.
 #[must_use]
 pub fn decode_step(c: &DecodeCapture) -> (Vec<DecodePlan>, Vec<f64>) {
     let (n, d, dv) = (c.n as usize, c.head_dim as usize, c.head_dim_v as usize);
@@ -135,6 +141,10 @@ pub fn decode_step(c: &DecodeCapture) -> (Vec<DecodePlan>, Vec<f64>) {
         let queries: Vec<&[f32]> = (0..group)
             .map(|r| &c.q[(kvh * group + r) * d..][..d])
             .collect();
+        let channels: Vec<usize> = c.sketch_channels[kvh * (d / 4)..][..d / 4]
+            .iter()
+            .map(|&ch| ch as usize)
+            .collect();
         let plan = decode_plan(
             &queries,
             key,
@@ -143,6 +153,8 @@ pub fn decode_step(c: &DecodeCapture) -> (Vec<DecodePlan>, Vec<f64>) {
             c.sink as usize,
             c.local as usize,
             c.budget as usize,
+            &channels,
+            c.sketched_blocks as usize,
         );
         let positions = plan.positions(n);
         for (r, q) in queries.iter().enumerate() {
@@ -182,7 +194,7 @@ pub fn decode_step(c: &DecodeCapture) -> (Vec<DecodePlan>, Vec<f64>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_plan, DECODE_BLOCK};
+    use super::{decode_plan, sketch_channels, DECODE_BLOCK};
 
     /// Keys of `n` positions in `d` channels from a small deterministic generator.
     fn keys(n: usize, d: usize, seed: u64) -> Vec<f32> {
@@ -198,72 +210,83 @@ mod tests {
     }
 
     #[test]
-    fn the_bound_bounds_every_key_and_the_choice_is_the_best_within_the_budget() {
+    fn the_sketch_keeps_the_channels_of_most_key_energy() {
+        let (n, d) = (100, 16);
+        let mut k = keys(n, d, 3);
+        for pos in 0..n {
+            for (c, gain) in [(3, 4.0), (5, 3.0), (11, 2.0), (14, 5.0)] {
+                k[pos * d + c] *= gain;
+            }
+        }
+        assert_eq!(
+            sketch_channels(|p| &k[p * d..(p + 1) * d], n, d),
+            vec![3, 5, 11, 14]
+        );
+        // equal energy everywhere: the lower channels
+        let flat = vec![1.0_f32; n * d];
+        assert_eq!(
+            sketch_channels(|p| &flat[p * d..(p + 1) * d], n, d),
+            vec![0, 1, 2, 3]
+        );
+    }
+
+    #[test]
+    fn the_choice_is_the_best_estimate_within_the_budget() {
         let (n, d) = (40 * DECODE_BLOCK + 7, 8);
         for seed in 1..20 {
             let k = keys(n, d, seed);
             let q = keys(1, d, seed + 100);
             let key = |pos: usize| &k[pos * d..(pos + 1) * d];
-            let plan = decode_plan(&[&q], key, n, 1.0, 4, 24, 5 * DECODE_BLOCK);
-            // first block, window from the boundary at or below n - 24, five blocks between
+            let channels = sketch_channels(key, n / DECODE_BLOCK * DECODE_BLOCK, d);
+            let plan = decode_plan(&[&q], key, n, 1.0, 4, 24, 80, &channels, n / DECODE_BLOCK);
+            // first block, window from the boundary at or below n - 24, 80 positions between
             assert_eq!(plan.sink_end, DECODE_BLOCK);
             assert_eq!(plan.recent_begin, (n - 24) / DECODE_BLOCK * DECODE_BLOCK);
-            assert_eq!(plan.blocks.len(), 5);
-            assert!(plan.blocks.windows(2).all(|w| w[0] < w[1]));
-            // with one query head the score ranks as the bound does, and the bound bounds:
-            // every chosen block's bound is at least every left-out block's best true logit
-            let logit = |pos: usize| -> f64 {
-                q.iter()
-                    .zip(key(pos))
-                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+            assert_eq!(plan.chosen.len(), 80);
+            assert!(plan.chosen.windows(2).all(|w| w[0] < w[1]));
+            // with one query head the gap ranks as the estimate does: every chosen position's
+            // estimate is at least every left-out candidate's
+            let estimate = |pos: usize| -> f64 {
+                channels
+                    .iter()
+                    .map(|&c| f64::from(q[c]) * f64::from(key(pos)[c]))
                     .sum()
             };
-            let bound = |blk: usize| -> f64 {
-                (0..d)
-                    .map(|c| {
-                        let vals = (blk * DECODE_BLOCK..(blk + 1) * DECODE_BLOCK)
-                            .map(|p| f64::from(key(p)[c]));
-                        let x = f64::from(q[c]);
-                        if x >= 0.0 {
-                            x * vals.fold(f64::NEG_INFINITY, f64::max)
-                        } else {
-                            x * vals.fold(f64::INFINITY, f64::min)
-                        }
-                    })
-                    .sum()
-            };
-            for blk in 1..plan.recent_begin / DECODE_BLOCK {
-                let best = (blk * DECODE_BLOCK..(blk + 1) * DECODE_BLOCK)
-                    .map(logit)
-                    .fold(f64::NEG_INFINITY, f64::max);
-                assert!(
-                    best <= bound(blk) + 1e-12,
-                    "block {blk}: {best} > {}",
-                    bound(blk)
-                );
-                if !plan.blocks.contains(&blk) {
-                    for &chosen in &plan.blocks {
-                        assert!(bound(chosen) >= bound(blk) - 1e-12, "seed {seed}");
-                    }
+            let worst_in = plan
+                .chosen
+                .iter()
+                .map(|&p| estimate(p))
+                .fold(f64::INFINITY, f64::min);
+            for pos in plan.sink_end..plan.recent_begin {
+                if !plan.chosen.contains(&pos) {
+                    assert!(
+                        estimate(pos) <= worst_in + 1e-12,
+                        "seed {seed}, position {pos}"
+                    );
                 }
             }
-            // the positions read: sinks, chosen blocks, window, each once
+            // the positions read: sinks, chosen, window, each once
             let pos = plan.positions(n);
-            assert_eq!(pos.len(), DECODE_BLOCK * 6 + (n - plan.recent_begin));
+            assert_eq!(pos.len(), DECODE_BLOCK + 80 + (n - plan.recent_begin));
             assert!(pos.windows(2).all(|w| w[0] < w[1]));
         }
     }
 
     #[test]
-    fn a_budget_covering_the_candidates_reads_every_position() {
+    fn unsketched_blocks_are_read_whole_and_a_covering_budget_reads_every_position() {
         let (n, d) = (10 * DECODE_BLOCK + 3, 4);
         let k = keys(n, d, 7);
         let q = keys(1, d, 8);
-        let plan = decode_plan(&[&q], |p| &k[p * d..(p + 1) * d], n, 1.0, 0, 16, 1024);
+        let key = |p: usize| &k[p * d..(p + 1) * d];
+        let plan = decode_plan(&[&q], key, n, 1.0, 0, 16, 1024, &[1], 10);
         assert_eq!(plan.positions(n), (0..n).collect::<Vec<_>>());
         assert!(plan.margin.is_infinite());
+        // only 4 blocks sketched: the rest is the recent window, whatever the budget
+        let few = decode_plan(&[&q], key, n, 1.0, 0, 16, 16, &[1], 4);
+        assert_eq!(few.recent_begin, 4 * DECODE_BLOCK);
+        assert_eq!(few.chosen.len(), 16);
         // fewer positions than a block: all of them
-        let short = decode_plan(&[&q], |p| &k[p * d..(p + 1) * d], 9, 1.0, 0, 0, 16);
+        let short = decode_plan(&[&q], key, 9, 1.0, 0, 0, 16, &[1], 0);
         assert_eq!(short.positions(9), (0..9).collect::<Vec<_>>());
     }
 }

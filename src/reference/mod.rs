@@ -19,7 +19,9 @@ mod softmax;
 mod tiles;
 
 pub use crate::session::Selection;
-pub use decode::{decode_plan, decode_step, DecodePlan, DECODE_BLOCK};
+pub use decode::{
+    channel_energy, decode_plan, decode_step, sketch_channels, DecodePlan, DECODE_BLOCK,
+};
 pub use memory::{build_memory_set, MemorySet};
 pub use select::{
     query_sample, select_by_query, QuerySelection, SAMPLE_LAST, SAMPLE_STRIDE, SELECT_BLOCK,

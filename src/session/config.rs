@@ -108,9 +108,10 @@ pub struct H2oConfig {
     pub tile_samples: u32,
     /// Sparse decode (`--h2o-decode sparse --h2o-decode-budget N`): each generated token attends
     /// to the first block of 16 positions (more with `sink`), its last `local` positions, and up
-    /// to this many positions between them, in blocks of 16 whose keys' channel bounds let its
-    /// query reach the largest logits (patch 0025). 0: decode reads the whole cache, as llama.cpp
-    /// does. The KV cache is kept whole either way, so any step could attend to everything.
+    /// to this many positions between them, those its query heads' logits estimated from a key
+    /// sketch (the quarter of each KV head's channels with the most key energy) rank highest
+    /// (patch 0025). 0: decode reads the whole cache, as llama.cpp does. The KV cache is kept
+    /// whole either way, so any step could attend to everything.
     pub decode_budget: u32,
 }
 
@@ -162,9 +163,10 @@ impl H2oConfig {
     pub const RECOMMENDED_SINK: u32 = 4;
     pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
     pub const RECOMMENDED_TILE_SAMPLES: u32 = 4;
-    /// Positions a sparse decode step chooses by block when the flags leave it out.
+    /// Positions a sparse decode step chooses when the flags leave it out.
     pub const RECOMMENDED_DECODE_BUDGET: u32 = 1024;
-    /// The block of positions sparse decode summarises and chooses (`GGML_H2O_DECODE_BLOCK`).
+    /// The block of positions sparse decode sketches (`GGML_H2O_DECODE_BLOCK`); its sinks and
+    /// recent window are whole blocks.
     pub const DECODE_BLOCK: u32 = 16;
 
     /// M = L + H, the memory set size.
@@ -188,8 +190,8 @@ impl H2oConfig {
 
     /// Keys a decode step reads when `n` positions are visible to it (its own included), per
     /// query head: all `n` with full-attention decode; with sparse decode, the first block(s),
-    /// the recent window down to a block boundary, and at most `decode_budget` positions of
-    /// whole blocks between them, as `ggml_h2o_decode` chooses them.
+    /// the recent window down to a block boundary, and at most `decode_budget` positions
+    /// between them, as `ggml_h2o_decode` chooses them.
     #[must_use]
     pub fn decode_keys(&self, n: u32) -> u32 {
         if self.decode_budget == 0 {
@@ -201,8 +203,8 @@ impl H2oConfig {
         let recent_block = (n.saturating_sub(self.local) / b)
             .min(n_full)
             .max(sink_blocks);
-        let chosen = (self.decode_budget / b).min(recent_block - sink_blocks);
-        (sink_blocks + chosen) * b + (n - recent_block * b)
+        let chosen = self.decode_budget.min((recent_block - sink_blocks) * b);
+        sink_blocks * b + chosen + (n - recent_block * b)
     }
 
     /// The mean of [`Self::decode_keys`] over decode steps seeing `first ..= last` positions
@@ -535,6 +537,12 @@ mod tests {
         // one sink block, 16 chosen blocks, and the window from position 1536 (a block boundary
         // at or below 1612 - 64) to the end
         assert_eq!(sparse.decode_keys(1612), 17 * 16 + (1612 - 1536));
+        // the budget counts positions, not blocks
+        let odd = H2oConfig {
+            decode_budget: 100,
+            ..full
+        };
+        assert_eq!(odd.decode_keys(1612), 16 + 100 + (1612 - 1536));
         // a budget that covers every block between the sinks and the window reads everything
         let covering = H2oConfig {
             decode_budget: 1024,
