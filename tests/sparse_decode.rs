@@ -78,35 +78,12 @@ fn compare(prompt: &[Token], decode_budget: u32) -> (f32, f64, usize) {
     (max_diff, kl / STEPS as f64, agree)
 }
 
-/// Full attention of one decode step in f64, from what the op saw: `[n_head][head_dim_v]`.
-fn dense_attention(c: &h2o_llama::DecodeCapture) -> Vec<f64> {
-    let (d, dv) = (c.head_dim as usize, c.head_dim_v as usize);
-    let (n_head, n_head_kv) = (c.n_head as usize, c.n_head_kv as usize);
-    let mut out = vec![0.0; n_head * dv];
-    for h in 0..n_head {
-        let kvh = h / (n_head / n_head_kv);
-        let q = &c.q[h * d..(h + 1) * d];
-        let logits: Vec<f64> = (0..c.n as usize)
-            .map(|j| {
-                let k = &c.k[(j * n_head_kv + kvh) * d..][..d];
-                f64::from(c.scale)
-                    * q.iter()
-                        .zip(k)
-                        .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                        .sum::<f64>()
-            })
-            .collect();
-        let mx = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let w: Vec<f64> = logits.iter().map(|&x| (x - mx).exp()).collect();
-        let sum: f64 = w.iter().sum();
-        for (j, wj) in w.iter().enumerate() {
-            let v = &c.v[(j * n_head_kv + kvh) * dv..][..dv];
-            for (o, &x) in out[h * dv..(h + 1) * dv].iter_mut().zip(v) {
-                *o += wj / sum * f64::from(x);
-            }
-        }
+/// As [`config`], with the engine's attention ops captured.
+fn capturing(decode_budget: u32) -> SessionConfig {
+    SessionConfig {
+        capture_attention: true,
+        ..config(decode_budget)
     }
-    out
 }
 
 #[test]
@@ -122,13 +99,12 @@ fn a_budget_covering_the_context_decodes_as_full_attention() {
     let p = prompt(701);
     let (prefix, last) = p.split_at(700);
     let dense = |decode_budget: u32| SessionConfig {
-        capture_attention: true,
         h2o: Some(H2oConfig {
             dense_tail: N_CTX,
             decode_budget,
             ..H2oConfig::new(64, 64)
         }),
-        ..config(decode_budget)
+        ..capturing(decode_budget)
     };
     // 640 positions of budget cover the 608 candidates of a step at 701, while the step's 768
     // cells (llama.cpp pads the cache view to 256) exceed the budget, the first block and the
@@ -142,7 +118,8 @@ fn a_budget_covering_the_context_decodes_as_full_attention() {
     let mut worst = 0.0_f64;
     for c in &steps {
         assert_eq!(c.n, 701);
-        let reference = dense_attention(c);
+        let every: Vec<Vec<usize>> = vec![(0..c.n as usize).collect(); c.n_head_kv as usize];
+        let reference = h2o_llama::reference::decode_attention(c, &every);
         for (&engine, &r) in c.output.iter().zip(&reference) {
             worst = worst.max((f64::from(engine) - r).abs());
         }
@@ -245,14 +222,7 @@ fn a_step_whose_cells_fit_in_the_budget_is_llama_cpps_own_attention() {
     assert_eq!(max_diff, 0.0, "KLD {kl}");
     assert_eq!(agree, STEPS);
     let m = common::model();
-    let mut s = Session::new(
-        m,
-        SessionConfig {
-            capture_attention: true,
-            ..config(1024)
-        },
-    )
-    .unwrap();
+    let mut s = Session::new(m, capturing(1024)).unwrap();
     s.evaluate(&prompt(700)).unwrap();
     s.take_attention_captures().unwrap();
     s.evaluate(&[11]).unwrap();
@@ -285,14 +255,7 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
     // op, captured, against reference::decode_step's choice and attention in f64; and each KV
     // head's sketch channels against the key energy of the prompt's complete blocks
     let m = common::model();
-    let mut s = Session::new(
-        m,
-        SessionConfig {
-            capture_attention: true,
-            ..config(128)
-        },
-    )
-    .unwrap();
+    let mut s = Session::new(m, capturing(128)).unwrap();
     let p = prompt(1001);
     s.evaluate(&p[..1000]).unwrap();
     s.take_attention_captures().unwrap();

@@ -9,6 +9,7 @@
 //! key on the KV head's sketch channels, the quarter of the channels whose keys held the most
 //! energy when the first block was sketched.
 
+use super::softmax::{apply_sink, dense_attention, Logits, Matrix};
 use crate::capture::DecodeCapture;
 
 /// Positions per block (`GGML_H2O_DECODE_BLOCK`).
@@ -126,70 +127,74 @@ pub fn decode_plan<'k>(
 
 /// A captured decode step recomputed: per KV head its plan (with the sketch channels the op
 /// kept), and per query head the output (`[n_head][head_dim_v]`) of one softmax over the plan's
-/// positions, with the capture's logit scale, soft-cap and learned sinks.
+/// positions (see [`decode_attention`]).
 #[must_use]
 pub fn decode_step(c: &DecodeCapture) -> (Vec<DecodePlan>, Vec<f64>) {
+    let (n, d) = (c.n as usize, c.head_dim as usize);
+    let (n_head, n_head_kv) = (c.n_head as usize, c.n_head_kv as usize);
+    let group = n_head / n_head_kv;
+    let plans: Vec<DecodePlan> = (0..n_head_kv)
+        .map(|kvh| {
+            let key = |pos: usize| &c.k[(pos * n_head_kv + kvh) * d..][..d];
+            let queries: Vec<&[f32]> = (0..group)
+                .map(|r| &c.q[(kvh * group + r) * d..][..d])
+                .collect();
+            let channels: Vec<usize> = c.sketch_channels[kvh * (d / 4)..][..d / 4]
+                .iter()
+                .map(|&ch| ch as usize)
+                .collect();
+            decode_plan(
+                &queries,
+                key,
+                n,
+                f64::from(c.scale),
+                c.sink as usize,
+                c.local as usize,
+                c.budget as usize,
+                &channels,
+                c.sketched_blocks as usize,
+            )
+        })
+        .collect();
+    let positions: Vec<Vec<usize>> = plans.iter().map(|p| p.positions(n)).collect();
+    let out = decode_attention(c, &positions);
+    (plans, out)
+}
+
+/// One softmax per query head of a captured decode step over `positions[kvh]`, the positions
+/// its KV head's query heads read, with the capture's logit scale, soft-cap and learned sinks:
+/// `[n_head][head_dim_v]`. With every position `0 .. n` for each KV head, full attention.
+#[must_use]
+pub fn decode_attention(c: &DecodeCapture, positions: &[Vec<usize>]) -> Vec<f64> {
     let (n, d, dv) = (c.n as usize, c.head_dim as usize, c.head_dim_v as usize);
     let (n_head, n_head_kv) = (c.n_head as usize, c.n_head_kv as usize);
     let group = n_head / n_head_kv;
-    let scale = f64::from(c.scale);
-    let mut plans = Vec::with_capacity(n_head_kv);
-    let mut out = vec![0.0_f64; n_head * dv];
-    for kvh in 0..n_head_kv {
-        let key = |pos: usize| &c.k[(pos * n_head_kv + kvh) * d..][..d];
-        let value = |pos: usize| &c.v[(pos * n_head_kv + kvh) * dv..][..dv];
-        let queries: Vec<&[f32]> = (0..group)
-            .map(|r| &c.q[(kvh * group + r) * d..][..d])
-            .collect();
-        let channels: Vec<usize> = c.sketch_channels[kvh * (d / 4)..][..d / 4]
-            .iter()
-            .map(|&ch| ch as usize)
-            .collect();
-        let plan = decode_plan(
-            &queries,
-            key,
-            n,
-            scale,
-            c.sink as usize,
-            c.local as usize,
-            c.budget as usize,
-            &channels,
-            c.sketched_blocks as usize,
-        );
-        let positions = plan.positions(n);
-        for (r, q) in queries.iter().enumerate() {
-            let h = kvh * group + r;
-            let logits: Vec<f64> = positions
-                .iter()
-                .map(|&pos| {
-                    let x: f64 = q
-                        .iter()
-                        .zip(key(pos))
-                        .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                        .sum::<f64>()
-                        * scale;
-                    if c.softcap > 0.0 {
-                        let cap = f64::from(c.softcap);
-                        cap * (x / cap).tanh()
-                    } else {
-                        x
-                    }
-                })
-                .collect();
-            let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let sink = c.sinks.get(h).map_or(f64::NEG_INFINITY, |&s| f64::from(s));
-            let weights: Vec<f64> = logits.iter().map(|&x| (x - max).exp()).collect();
-            let z: f64 = weights.iter().sum::<f64>() + (sink - max).exp();
-            let o = &mut out[h * dv..(h + 1) * dv];
-            for (&pos, w) in positions.iter().zip(&weights) {
-                for (acc, &x) in o.iter_mut().zip(value(pos)) {
-                    *acc += w / z * f64::from(x);
-                }
-            }
+    let logits = Logits {
+        scale: f64::from(c.scale),
+        softcap: f64::from(c.softcap),
+    };
+    let widen = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
+    let rows = |data: &[f32], width: usize, kvh: usize| {
+        let mut m = Vec::with_capacity(n * width);
+        for pos in 0..n {
+            m.extend(widen(&data[(pos * n_head_kv + kvh) * width..][..width]));
         }
-        plans.push(plan);
+        Matrix::new(n, width, m)
+    };
+    let mut out = Vec::with_capacity(n_head * dv);
+    for (kvh, keys) in positions.iter().enumerate() {
+        let (k, v) = (rows(&c.k, d, kvh), rows(&c.v, dv, kvh));
+        for h in kvh * group..(kvh + 1) * group {
+            let q = Matrix::new(1, d, widen(&c.q[h * d..(h + 1) * d]));
+            let key_sets = [keys.clone()];
+            let mut o = dense_attention(&q, &k, &v, logits, &key_sets);
+            if let Some(&sink) = c.sinks.get(h) {
+                apply_sink(&mut o, &q, &k, logits, &key_sets, f64::from(sink));
+            }
+            out.extend(o.data);
+        }
     }
-    (plans, out)
+    out
 }
 
 #[cfg(test)]

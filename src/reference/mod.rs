@@ -20,7 +20,8 @@ mod tiles;
 
 pub use crate::session::Selection;
 pub use decode::{
-    channel_energy, decode_plan, decode_step, sketch_channels, DecodePlan, DECODE_BLOCK,
+    channel_energy, decode_attention, decode_plan, decode_step, sketch_channels, DecodePlan,
+    DECODE_BLOCK,
 };
 pub use memory::{build_memory_set, MemorySet};
 pub use select::{
