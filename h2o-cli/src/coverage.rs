@@ -54,6 +54,9 @@ pub struct CoverageArgs {
     /// CPU threads
     #[arg(short = 't', long, default_value_t = 2)]
     threads: u32,
+    /// Measure only the ways of choosing whose name contains this text (today's policies always)
+    #[arg(long, value_name = "TEXT")]
+    only: Option<String>,
     /// Print one JSON record instead of the tables
     #[arg(long)]
     json: bool,
@@ -80,6 +83,7 @@ pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         tile: args.tile,
         block: args.block,
         first_chunk: args.first_chunk,
+        only: args.only.clone(),
     };
     // bad parameters fail here, before any download or model load
     config.validate()?;

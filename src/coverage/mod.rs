@@ -45,6 +45,9 @@ pub struct StudyConfig {
     pub block: usize,
     /// Chunks before this one are not measured (chunk 0 has no far keys).
     pub first_chunk: usize,
+    /// Only the estimators and oracles whose name contains this (today's policies always).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub only: Option<String>,
 }
 
 impl StudyConfig {
@@ -58,6 +61,20 @@ impl StudyConfig {
     #[must_use]
     pub fn max_budget(&self) -> usize {
         4 * self.budget()
+    }
+
+    /// The ways of choosing this study measures: every [`Strategy`], or those that `only` names,
+    /// with today's `query` estimator last (its cost is that policy's).
+    #[must_use]
+    pub fn strategies(&self) -> Vec<Strategy> {
+        strategies::ALL
+            .iter()
+            .copied()
+            .filter(|s| {
+                *s == Strategy::TodaysQuery
+                    || self.only.as_ref().is_none_or(|o| s.name().contains(o.as_str()))
+            })
+            .collect()
     }
 
     /// The sinks and the local window of a chunk starting at `start`, ascending.
@@ -362,16 +379,17 @@ fn study_head(
         })
         .collect();
     let steps = c.max_budget() / STEP;
+    let measured = c.strategies();
     let mut out = HeadResult {
-        units: vec![Vec::new(); strategies::ALL.len()],
+        units: vec![Vec::new(); measured.len()],
         policies: vec![Vec::new(); POLICIES.len()],
-        cost: vec![0.0; strategies::ALL.len()],
+        cost: vec![0.0; measured.len()],
         ..HeadResult::default()
     };
     for chunk in chunks {
         let ci = chunk.start / c.chunk;
         let att = ChunkAttention::of(layer, head, chunk.start, chunk.end);
-        for (si, &s) in strategies::ALL.iter().enumerate() {
+        for (si, &s) in measured.iter().enumerate() {
             let scores = &seed_scores[ci - 1];
             for ranked in rank(s, c, layer, summaries, head, &att, scores) {
                 out.units[si].push(Unit::of((li, ci, head), &att, &ranked, steps));
@@ -406,6 +424,7 @@ fn summarise(
     results.sort_by_key(|(k, _)| *k);
     let full_cost: f64 = results.iter().map(|(_, r)| r.full_cost).sum();
     let budget_steps = c.budget() / STEP;
+    let measured = c.strategies();
     let mut rows = Vec::new();
     for (pi, (name, select, _)) in POLICIES.iter().enumerate() {
         let cov: Vec<f32> = results
@@ -418,7 +437,7 @@ fn summarise(
         } else {
             results
                 .iter()
-                .map(|(_, r)| r.cost[strategies::ALL.len() - 1])
+                .map(|(_, r)| r.cost[measured.len() - 1])
                 .sum::<f64>()
                 / full_cost
         };
@@ -432,7 +451,7 @@ fn summarise(
             cost_share: cost,
         });
     }
-    for (si, &s) in strategies::ALL.iter().enumerate() {
+    for (si, &s) in measured.iter().enumerate() {
         let units: Vec<Unit> = results
             .iter_mut()
             .flat_map(|(_, r)| std::mem::take(&mut r.units[si]))

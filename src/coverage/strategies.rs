@@ -42,12 +42,15 @@ pub enum Strategy {
     /// `from_prev` more from the previous tile's final ranking (where not already in); every
     /// query of the tile then computes its logits on the forced positions and the candidates,
     /// which are ranked by the tile's attention on them, each query normalised over its chunk,
-    /// the forced positions and the candidates. The estimate is that attention.
+    /// the forced positions and the candidates. The estimate is that attention. With
+    /// `rank_every` > 1 only every `rank_every`-th query of the tile ranks (and estimates), at
+    /// that share of the second stage's cost.
     SampledRefined {
         every: usize,
         from_scores: usize,
         from_prev: usize,
         taper: bool,
+        rank_every: usize,
     },
     /// Per tile, two stages: every query of the tile estimates its logits from its `r`
     /// largest-magnitude channels only (SparQ), a softmax at SparQ's corrected temperature; the
@@ -80,7 +83,7 @@ pub enum Strategy {
 }
 
 /// Every strategy, in the report's order.
-pub const ALL: [Strategy; 29] = [
+pub const ALL: [Strategy; 38] = [
     Strategy::OracleChunk,
     Strategy::OracleChunkLocal,
     Strategy::OracleTile,
@@ -95,36 +98,105 @@ pub const ALL: [Strategy; 29] = [
         from_scores: 0,
         from_prev: 0,
         taper: false,
+        rank_every: 1,
     },
     Strategy::SampledRefined {
         every: 16,
         from_scores: 256,
         from_prev: 256,
         taper: false,
+        rank_every: 1,
     },
     Strategy::SampledRefined {
         every: 8,
         from_scores: 0,
         from_prev: 0,
         taper: false,
+        rank_every: 1,
     },
     Strategy::SampledRefined {
         every: 4,
         from_scores: 0,
         from_prev: 0,
         taper: false,
+        rank_every: 1,
     },
     Strategy::SampledRefined {
         every: 16,
         from_scores: 0,
         from_prev: 0,
         taper: true,
+        rank_every: 1,
     },
     Strategy::SampledRefined {
         every: 4,
         from_scores: 0,
         from_prev: 0,
         taper: true,
+        rank_every: 1,
+    },
+    Strategy::SampledRefined {
+        every: 4,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 2,
+    },
+    Strategy::SampledRefined {
+        every: 4,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 4,
+    },
+    Strategy::SampledRefined {
+        every: 8,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 2,
+    },
+    Strategy::SampledRefined {
+        every: 8,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 4,
+    },
+    Strategy::SampledRefined {
+        every: 16,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 4,
+    },
+    Strategy::SampledRefined {
+        every: 8,
+        from_scores: 0,
+        from_prev: 0,
+        taper: true,
+        rank_every: 2,
+    },
+    Strategy::SampledRefined {
+        every: 8,
+        from_scores: 0,
+        from_prev: 0,
+        taper: true,
+        rank_every: 4,
+    },
+    Strategy::SampledRefined {
+        every: 16,
+        from_scores: 0,
+        from_prev: 0,
+        taper: true,
+        rank_every: 2,
+    },
+    Strategy::SampledRefined {
+        every: 16,
+        from_scores: 0,
+        from_prev: 0,
+        taper: true,
+        rank_every: 4,
     },
     Strategy::SparqRefined { r: 4, taper: false },
     Strategy::SparqRefined { r: 8, taper: false },
@@ -172,9 +244,14 @@ impl Strategy {
                     if taper { ", local window tapered" } else { "" }
                 )
             }
-            Self::SampledRefined { every, from_scores, from_prev, taper } => {
+            Self::SampledRefined { every, from_scores, from_prev, taper, rank_every } => {
+                let rankers = if rank_every == 1 {
+                    "all queries".to_string()
+                } else {
+                    format!("1 query in {rank_every}")
+                };
                 return format!(
-                    "two stages: sampled queries (1 in {every}) + {from_scores} by scores + {from_prev} from the previous tile name 4 H candidates, all queries rank them, per tile{}",
+                    "two stages: sampled queries (1 in {every}) + {from_scores} by scores + {from_prev} from the previous tile name 4 H candidates, {rankers} rank them, per tile{}",
                     if taper { ", local window tapered" } else { "" }
                 )
             }
@@ -239,8 +316,9 @@ impl Strategy {
             Self::SparqRefined { r, .. } => {
                 r as f64 * (i + 1.0) + d * ((4 * c.heavy + c.local) as f64).min(w)
             }
-            Self::SampledRefined { every, .. } => {
-                d * (i + 1.0) / every as f64 + d * ((4 * c.heavy + c.local) as f64).min(w)
+            Self::SampledRefined { every, rank_every, .. } => {
+                d * (i + 1.0) / every as f64
+                    + d * ((4 * c.heavy + c.local) as f64).min(w) / rank_every as f64
             }
             Self::MeanKeys => d * blocks,
             Self::KeyBounds => 2.0 * d * w / c.block as f64,
@@ -374,6 +452,7 @@ pub fn rank(
                     from_scores,
                     from_prev,
                     taper,
+                    rank_every,
                 } => {
                     let forced = tapered(c, &forced, start, rows.start, taper);
                     let sampled = sampled_rows(rows.clone(), every);
@@ -410,10 +489,11 @@ pub fn rank(
                         n_cand,
                         &mut cand,
                     );
-                    let (refined, base, masses) = refine(att, rows.clone(), &forced, &cand);
+                    let rankers = sampled_rows(rows.clone(), rank_every);
+                    let (refined, base, masses) = refine(att, &rankers, &forced, &cand);
                     let order: Vec<u32> = forced.iter().chain(&refined).copied().collect();
                     prev = Some(refined);
-                    let n = rows.len() as f32;
+                    let n = rankers.len() as f32;
                     let mut ranked: Vec<f32> = forced.iter().map(|_| 0.0).collect();
                     ranked.extend(masses.iter().map(|&m| m as f32 / n));
                     (
@@ -431,7 +511,8 @@ pub fn rank(
                     let n_forced = forced.len().min(kmax);
                     let n_cand = (4 * c.heavy).min(by_approx.len() - n_forced);
                     let cand = &by_approx[n_forced..n_forced + n_cand];
-                    let (refined, base, masses) = refine(att, rows.clone(), &forced, cand);
+                    let rankers: Vec<usize> = rows.clone().collect();
+                    let (refined, base, masses) = refine(att, &rankers, &forced, cand);
                     let order: Vec<u32> = forced.iter().chain(&refined).copied().collect();
                     let n = rows.len() as f32;
                     let mut ranked: Vec<f32> = forced.iter().map(|_| 0.0).collect();
@@ -536,13 +617,13 @@ fn sampled_rows(rows: Range<usize>, every: usize) -> Vec<usize> {
 /// candidate's Σ.
 fn refine(
     att: &ChunkAttention,
-    rows: Range<usize>,
+    rows: &[usize],
     forced: &[u32],
     candidates: &[u32],
 ) -> (Vec<u32>, f64, Vec<f64>) {
     let mut score = vec![0f64; candidates.len()];
     let mut base = 0f64;
-    for r in rows {
+    for &r in rows {
         let far = att.far_row(r);
         let fixed = f64::from(att.intra[r])
             + forced
