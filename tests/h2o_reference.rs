@@ -795,17 +795,21 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
 /// its sampled queries and the cache's keys, and the budget is shared by all heads' tiles of a
 /// chunk, so the reference chooses every memory from the captured Q and K of all heads of the
 /// layer; every output row must match, and after the call each head holds the memory the last
-/// tile would have at the average budget.
+/// tile would have at the average budget. Samples from exact logits, and from a sketch of a
+/// quarter or an eighth of the key channels (patch 0026).
 #[test]
 fn coverage_selection_matches_the_reference_in_every_layer() {
-    check_coverage_selection(common::model(), 1.0, 4);
-    check_coverage_selection(common::model(), 0.9, 16);
+    check_coverage_selection(common::model(), 1.0, 4, 1);
+    check_coverage_selection(common::model(), 0.9, 16, 1);
+    check_coverage_selection(common::model(), 1.0, 32, 4);
+    check_coverage_selection(common::model(), 0.9, 16, 8);
 }
 
 /// Gemma 3 270M, coverage selection on its global layers.
 #[test]
 fn gemma3_coverage_selection_matches_the_reference_on_the_global_layers() {
-    check_coverage_selection(common::gemma(), 1.0, 4);
+    check_coverage_selection(common::gemma(), 1.0, 4, 1);
+    check_coverage_selection(common::gemma(), 1.0, 32, 4);
 }
 
 /// Every head's arithmetic is the same whichever thread runs it, so coverage selection's logits
@@ -849,7 +853,7 @@ fn coverage_selection_gives_the_same_logits_with_any_thread_count() {
     }
 }
 
-fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
+fn check_coverage_selection(m: &Model, coverage: f32, samples: u32, sketch: u32) {
     const SINK: usize = 4;
     const TAIL: usize = 24;
     let tokens = prompt(m);
@@ -859,6 +863,7 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
         dense_tail: TAIL as u32,
         coverage,
         tile_samples: samples,
+        tile_sketch: sketch,
         ..H2oConfig::seed(L as u32, H as u32)
     };
     let mut s = Session::new(m, config(h2o)).unwrap();
@@ -893,6 +898,7 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
         let cp = CoverageParams {
             coverage: f64::from(coverage),
             samples: samples as usize,
+            sketch: sketch as usize,
         };
         let r = h2o_attention_coverage(
             &q,
@@ -904,7 +910,8 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32) {
             std::slice::from_ref(&(0..N)),
         );
         for (h, engine_set) in sets.iter().enumerate() {
-            let what = format!("coverage {coverage}, {samples} samples: layer {layer} head {h}");
+            let what =
+                format!("coverage {coverage}, {samples} samples, sketch 1/{sketch}: layer {layer} head {h}");
             assert_eq!(
                 engine_set,
                 &r[h].memory_sets[N / S - 1],

@@ -177,6 +177,10 @@ struct H2oPolicy {
     /// choose its memory (1, 2, 4, 8, 16, 32 or 64; more choose better and cost more)
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     tile_samples: u32,
+    /// H2O coverage policy: the sampled queries' logits read 1/N of the key channels, those with
+    /// the most key energy (1: exact; 2, 4 or 8 cost that share, so more samples fit)
+    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SKETCH)]
+    tile_sketch: u32,
     /// H2O decode: full (each generated token reads the whole cache) or sparse (the first block,
     /// the last --h2o-local positions, and the --h2o-decode-budget positions its query points at,
     /// by logits estimated from a quarter of the key channels; the cache is kept whole)
@@ -196,6 +200,7 @@ impl H2oPolicy {
         h2o.dense_tail = self.dense_tail;
         h2o.coverage = self.coverage;
         h2o.tile_samples = self.tile_samples;
+        h2o.tile_sketch = self.tile_sketch;
         h2o.decode_budget = if self.decode == DecodeMode::Sparse {
             self.decode_budget
         } else {
@@ -213,6 +218,7 @@ impl H2oPolicy {
         a.extend(["--h2o-dense-tail".into(), self.dense_tail.to_string()]);
         a.extend(["--h2o-coverage".into(), self.coverage.to_string()]);
         a.extend(["--h2o-tile-samples".into(), self.tile_samples.to_string()]);
+        a.extend(["--h2o-tile-sketch".into(), self.tile_sketch.to_string()]);
         let mode = match self.decode {
             DecodeMode::Full => "full",
             DecodeMode::Sparse => "sparse",

@@ -95,10 +95,11 @@ pub struct PerplexityArgs {
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     let parts: Vec<&str> = s.split(':').collect();
-    if !(2..=7).contains(&parts.len()) {
+    if !(2..=8).contains(&parts.len()) {
         return Err(format!(
-            "{s:?}: write an H2O shape as L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE]]]]], e.g. \
-             256:256, 256:256:h2o:0:0 or 256:256:coverage:4:64:16:0.9"
+            "{s:?}: write an H2O shape as \
+             L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE[:TILE_SKETCH]]]]]], e.g. 256:256, \
+             256:256:h2o:0:0, 256:256:coverage:4:64:16:0.9 or 256:256:coverage:4:64:32:1:4"
         ));
     }
     let n = |v: &str| {
@@ -124,6 +125,9 @@ fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
             .trim()
             .parse::<f32>()
             .map_err(|e| format!("{s:?}: {v:?} is not a coverage share ({e})"))?;
+    }
+    if let Some(v) = parts.get(7) {
+        shape.tile_sketch = n(v)?;
     }
     if !shape.is_enabled() {
         return Err(format!(

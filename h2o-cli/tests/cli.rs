@@ -249,6 +249,20 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             &[
                 "-p",
                 "x",
+                "--h2o-local",
+                "64",
+                "--h2o-heavy",
+                "64",
+                "--h2o-tile-sketch",
+                "3",
+            ],
+            3,
+            "--h2o-tile-sketch 3 must be 1, 2, 4 or 8",
+        ),
+        (
+            &[
+                "-p",
+                "x",
                 "-c",
                 "1024",
                 "--h2o-local",

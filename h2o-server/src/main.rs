@@ -157,6 +157,10 @@ struct Cli {
     /// choose its memory (1, 2, 4, 8, 16, 32 or 64)
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     h2o_tile_samples: u32,
+    /// H2O coverage policy: the sampled queries' logits read 1/N of the key channels, those with
+    /// the most key energy (1: exact; 2, 4 or 8)
+    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SKETCH)]
+    h2o_tile_sketch: u32,
     /// H2O decode: full (each generated token reads the slot's whole cache) or sparse (the first
     /// block, the last --h2o-local positions and the --h2o-decode-budget positions its query
     /// points at, by logits estimated from a quarter of the key channels; the cache is kept whole)
@@ -327,6 +331,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     h2o.dense_tail = cli.h2o_dense_tail;
     h2o.coverage = cli.h2o_coverage;
     h2o.tile_samples = cli.h2o_tile_samples;
+    h2o.tile_sketch = cli.h2o_tile_sketch;
     if cli.h2o_decode == "sparse" {
         h2o.decode_budget = cli.h2o_decode_budget;
     }

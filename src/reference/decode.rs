@@ -54,10 +54,15 @@ pub fn channel_energy<'k>(key: impl Fn(usize) -> &'k [f32], n: usize, d: usize) 
 /// The sketch channels of a KV head whose keys over positions `0 .. n` are `key(pos)`: the
 /// `d / 4` channels of most energy, ties to the lower channel, ascending.
 pub fn sketch_channels<'k>(key: impl Fn(usize) -> &'k [f32], n: usize, d: usize) -> Vec<usize> {
-    let e = channel_energy(key, n, d);
-    let mut order: Vec<usize> = (0..d).collect();
+    strongest_channels(&channel_energy(key, n, d), d / 4)
+}
+
+/// The `keep` channels of most energy `e`, ties to the lower channel, ascending.
+#[must_use]
+pub fn strongest_channels(e: &[f64], keep: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..e.len()).collect();
     order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
-    let mut chosen = order[..d / 4].to_vec();
+    let mut chosen = order[..keep].to_vec();
     chosen.sort_unstable();
     chosen
 }

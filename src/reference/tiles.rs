@@ -6,7 +6,9 @@
 //! - **forced**: the sinks `[0, min(sink, cs − L))` and the local window `[cs − L, cs)`;
 //! - **samples**: the tile's rows `i` with `(i − t0) mod e = e − 1`, `e = TILE / samples` (`t0`
 //!   the tile's first position; the tile's last row if it has none), each with its full causal
-//!   attention `p_i` over `[0, i]`;
+//!   attention `p_i` over `[0, i]`; with `sketch` > 1 from logits over only the `d / sketch`
+//!   channels of most key energy `Σ_j k_j[c]²` over the call's positions `[0, rows.end)` of the
+//!   KV head (ties to the lower channel);
 //! - **proposal**: the candidates `[sink_end, cs − L)` by `Σ_samples p_i(j)`, highest first,
 //!   ties to the lower position, at most `4·H` of them;
 //! - **ranking**: every row `i` of the tile attends to its chunk up to itself, the forced
@@ -43,6 +45,8 @@ pub struct CoverageParams {
     pub coverage: f64,
     /// Queries of each tile that attend to every earlier position (a divisor of [`TILE`]).
     pub samples: usize,
+    /// Their logits read `1 / sketch` of the key channels, those of most key energy (1: all).
+    pub sketch: usize,
 }
 
 /// One tile's memory.
@@ -91,9 +95,22 @@ pub fn tiles_of(cs: usize, rows: &Range<usize>) -> Vec<(usize, Range<usize>)> {
         .collect()
 }
 
-/// The full causal attention of query `i` (row of `q`) over `[0, i]`.
-fn causal_attention(q: &Matrix, k: &Matrix, logits: Logits, i: usize) -> Vec<f64> {
-    let logits: Vec<f64> = (0..=i).map(|j| logits.logit(q.row(i), k.row(j))).collect();
+/// The full causal attention of query `i` (row of `q`) over `[0, i]`, from logits over
+/// `channels` only (all without).
+fn causal_attention(
+    q: &Matrix,
+    k: &Matrix,
+    logits: Logits,
+    i: usize,
+    channels: Option<&[usize]>,
+) -> Vec<f64> {
+    let project = |row: &[f64]| -> Vec<f64> {
+        channels.map_or_else(|| row.to_vec(), |c| c.iter().map(|&j| row[j]).collect())
+    };
+    let qi = project(q.row(i));
+    let logits: Vec<f64> = (0..=i)
+        .map(|j| logits.logit(&qi, &project(k.row(j))))
+        .collect();
     let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
     let z: f64 = e.iter().sum();
@@ -125,15 +142,28 @@ pub fn select_by_tiles(
     let n_rank = candidates.len().min(MAX_HEAVY_FACTOR * params.heavy);
     let steps = n_rank.div_ceil(BUDGET_STEP);
     let tiles = tiles_of(cs, &rows);
+    // per KV head, the channels the samples' logits read
+    let sketches: Vec<Option<Vec<usize>>> = k
+        .iter()
+        .map(|kh| {
+            (cp.sketch > 1).then(|| {
+                let energy: Vec<f64> = (0..kh.cols)
+                    .map(|c| (0..rows.end).map(|j| kh.row(j)[c].powi(2)).sum())
+                    .collect();
+                super::decode::strongest_channels(&energy, kh.cols / cp.sketch)
+            })
+        })
+        .collect();
 
     let mut units: Vec<Unit> = Vec::new();
     for (h, qh) in q.iter().enumerate() {
         let kh = &k[h / group];
+        let channels = sketches[h / group].as_deref();
         for (t0, present) in &tiles {
             let samples = tile_samples(*t0, present, cp.samples);
             let attention: Vec<Vec<f64>> = samples
                 .iter()
-                .map(|&i| causal_attention(qh, kh, lg, i))
+                .map(|&i| causal_attention(qh, kh, lg, i, channels))
                 .collect();
             let mut score: Vec<(f64, usize)> = candidates
                 .clone()
@@ -342,6 +372,7 @@ mod tests {
     const FULL: CoverageParams = CoverageParams {
         coverage: 1.0,
         samples: 4,
+        sketch: 1,
     };
 
     fn params() -> H2oParams {
@@ -439,6 +470,7 @@ mod tests {
                 let cp = CoverageParams {
                     coverage: 1.0,
                     samples: [4, 8, 1][seed as usize % 3],
+                    sketch: [1, 4, 2, 8][seed as usize % 4],
                 };
                 let full = select_by_tiles(&p, &cp, &q, &k, scale, cs, rows.clone());
                 let part = select_by_tiles(
@@ -502,7 +534,7 @@ mod tests {
         let p = params();
         let low = CoverageParams {
             coverage: 0.01,
-            samples: 4,
+            ..FULL
         };
         let tiles = select_by_tiles(&p, &low, &q, &k, 0.35, 128, 128..256);
         // the chunk and the forced positions alone cover more than 1 % of any query's attention

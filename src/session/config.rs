@@ -106,6 +106,11 @@ pub struct H2oConfig {
     /// to choose its memory (`--h2o-tile-samples`): 1, 2, 4, 8, 16, 32 or 64. More choose better
     /// and cost more. The same for every sequence of a context.
     pub tile_samples: u32,
+    /// [`Selection::Coverage`]: the sampled queries' logits read `1 / tile_sketch` of the key
+    /// channels, those of most key energy per KV head (`--h2o-tile-sketch`): 1 (exact), 2, 4
+    /// or 8. A sketch costs that share of the exact proposal, so more samples fit in the same
+    /// work; every query of the tile still ranks what they propose exactly.
+    pub tile_sketch: u32,
     /// Sparse decode (`--h2o-decode sparse --h2o-decode-budget N`): each generated token attends
     /// to the first block of 16 positions (more with `sink`), its last `local` positions, and up
     /// to this many positions between them, those its query heads' logits estimated from a key
@@ -125,6 +130,7 @@ impl Default for H2oConfig {
             dense_tail: 0,
             coverage: 1.0,
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
+            tile_sketch: Self::RECOMMENDED_TILE_SKETCH,
             decode_budget: 0,
         }
     }
@@ -155,6 +161,7 @@ impl H2oConfig {
             dense_tail: Self::RECOMMENDED_DENSE_TAIL,
             coverage: 1.0,
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
+            tile_sketch: Self::RECOMMENDED_TILE_SKETCH,
             decode_budget: 0,
         }
     }
@@ -162,7 +169,8 @@ impl H2oConfig {
     pub const RECOMMENDED_SELECT: Selection = Selection::Hybrid;
     pub const RECOMMENDED_SINK: u32 = 4;
     pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
-    pub const RECOMMENDED_TILE_SAMPLES: u32 = 4;
+    pub const RECOMMENDED_TILE_SAMPLES: u32 = 32;
+    pub const RECOMMENDED_TILE_SKETCH: u32 = 4;
     /// Positions a sparse decode step chooses when the flags leave it out.
     pub const RECOMMENDED_DECODE_BUDGET: u32 = 1024;
     /// The block of positions sparse decode sketches (`GGML_H2O_DECODE_BLOCK`); its sinks and
@@ -175,17 +183,21 @@ impl H2oConfig {
         u64::from(self.local) + u64::from(self.heavy)
     }
 
-    /// The policy as tables show it: its name and, for `coverage`, the tile samples and a target
-    /// below 1 (`coverage/4`, `coverage/16@0.95`).
+    /// The policy as tables show it: its name and, for `coverage`, the tile samples, their
+    /// sketch and a target below 1 (`coverage/4`, `coverage/32 sketch/4`, `coverage/16@0.95`).
     #[must_use]
     pub fn policy_label(&self) -> String {
-        match self.select {
-            Selection::Coverage if self.coverage < 1.0 => {
-                format!("coverage/{}@{}", self.tile_samples, self.coverage)
-            }
-            Selection::Coverage => format!("coverage/{}", self.tile_samples),
-            other => other.name().to_string(),
+        if self.select != Selection::Coverage {
+            return self.select.name().to_string();
         }
+        let mut label = format!("coverage/{}", self.tile_samples);
+        if self.tile_sketch > 1 {
+            label += &format!(" sketch/{}", self.tile_sketch);
+        }
+        if self.coverage < 1.0 {
+            label += &format!("@{}", self.coverage);
+        }
+        label
     }
 
     /// Keys a decode step reads when `n` positions are visible to it (its own included), per
@@ -484,6 +496,13 @@ impl SessionConfig {
                     "H2O --h2o-tile-samples {} must divide the tile of 64 queries: use 1, 2, 4, 8, \
                      16, 32 or 64",
                     h2o.tile_samples
+                ));
+            }
+            if ![1, 2, 4, 8].contains(&h2o.tile_sketch) {
+                return bad(format!(
+                    "H2O --h2o-tile-sketch {} must be 1, 2, 4 or 8: the sampled queries' logits \
+                     read 1/N of the key channels (1: all)",
+                    h2o.tile_sketch
                 ));
             }
             if self.n_ctx > 0 && h2o.decode_budget > self.n_ctx {
