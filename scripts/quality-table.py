@@ -14,6 +14,8 @@ def label(h2o):
     sel = h2o["select"]
     if sel == "coverage":
         sel = f"coverage/{h2o['tile_samples']}"
+        if h2o.get("tile_sketch", 1) > 1:
+            sel += f" sketch/{h2o['tile_sketch']}"
         if h2o.get("coverage", 1.0) < 1.0:
             sel += f"@{h2o['coverage']:g}"
     return f"{sel} L{h2o['local']} H{h2o['heavy']} sink {h2o['sink']} tail {h2o['dense_tail']}"
