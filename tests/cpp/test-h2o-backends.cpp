@@ -107,7 +107,7 @@ struct call_result {
 call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const std::vector<float> & q_all,
         int32_t p0, int32_t n, int32_t mem_chunk, int32_t acc_chunk,
         ggml_h2o_select select = GGML_H2O_SELECT_H2O, int32_t n_sink = 0, int32_t tail_start = INT32_MAX,
-        float coverage = 1.0f, int32_t n_sample = 4, logit_opts lo = {}) {
+        float coverage = 1.0f, int32_t n_sample = 4, logit_opts lo = {}, int32_t sketch = 1) {
     ggml_init_params ip = { 4*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * q     = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, n);
@@ -116,6 +116,7 @@ call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const
             p0, sh.S, sh.L, sh.H, mem_chunk, acc_chunk, 1.0f/std::sqrt((float) sh.D));
     ggml_h2o_attn_set_select(out, select, n_sink, tail_start);
     ggml_h2o_attn_set_coverage(out, coverage, n_sample);
+    ggml_h2o_attn_set_coverage_sketch(out, sketch);
     ggml_h2o_attn_set_logits(out, lo.softcap, sinks);
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
@@ -270,11 +271,11 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
 // GGML_H2O_SELECT_COVERAGE: every head's tiles estimate, then all threads (or GPU blocks) share one allocation. On
 // the CPU with three threads against one it must be bit-identical (the barrier and the shared estimates at work). A
 // GPU must agree with the CPU as the query-aware cases do: its sums run in another order, so a near-tie may rank
-// two candidates, or give a budget step, the other way. Four comparisons (tests/kv_cache_cpp.rs counts them) that
+// two candidates, or give a budget step, the other way. Five comparisons (tests/kv_cache_cpp.rs counts them) that
 // cover both ways a chunk's candidates are proposed (S = 128, 4 H = 128: chunk 1 proposes all of them, chunks 2 and 3
-// choose by the sampled queries), 4 and 16 samples per tile and a tile whose rows hold no sampled one (one sample per
-// tile, a call ending 50 rows into chunk 1), a coverage target below 1, sinks, a dense tail, and a call that continues
-// a chunk inside a tile.
+// choose by the sampled queries), 4, 16 and 32 samples per tile and a tile whose rows hold no sampled one (one sample
+// per tile, a call ending 50 rows into chunk 1), samples whose logits read a quarter of the key channels (patch
+// 0026), a coverage target below 1, sinks, a dense tail, and a call that continues a chunk inside a tile.
 void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh,
         const std::vector<float> & q, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v, float max_v, bool exact) {
     const int32_t S = sh.S;
@@ -285,17 +286,19 @@ void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * n
         int32_t      tail_start;
         float        coverage;
         int32_t      n_sample;
+        int32_t      sketch;
     } cases[] = {
-        { "one call, coverage, 4 sinks, tail of 24",                   4, 3*S + 16,  1.0f, 4  },
-        { "one call, coverage target 0.9, 16 samples, no sink, no tail", 0, INT32_MAX, 0.9f, 16 },
+        { "one call, coverage, 4 sinks, tail of 24",                         4, 3*S + 16,  1.0f, 4,  1 },
+        { "one call, coverage target 0.9, 16 samples, no sink, no tail",     0, INT32_MAX, 0.9f, 16, 1 },
+        { "one call, coverage, 32 samples on a quarter of the key channels", 4, 3*S + 16,  1.0f, 32, 4 },
     };
     for (const auto & c : cases) {
         state ref_st(cpu, sh, kv_k, kv_v);
         state got_st(other, sh, kv_k, kv_v);
         const int32_t n = 3*S + 40;
         compare(c.what, name,
-                run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage, c.n_sample),
-                run_call(other, got_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage, c.n_sample),
+                run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage, c.n_sample, {}, c.sketch),
+                run_call(other, got_st, sh, q, 0, n, -1, -1, cov, c.n_sink, c.tail_start, c.coverage, c.n_sample, {}, c.sketch),
                 sh, max_v, exact);
     }
     // two calls that split chunk 1 inside a tile, one sample per tile: the second part's tiles choose again from their
