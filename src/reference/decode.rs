@@ -40,12 +40,17 @@ impl DecodePlan {
     }
 }
 
-/// Each channel's key energy over positions `0 .. n`: the sum of its squares.
-pub fn channel_energy<'k>(key: impl Fn(usize) -> &'k [f32], n: usize, d: usize) -> Vec<f64> {
+/// Each channel's key energy over positions `0 .. n`: the sum of its squares, in f64.
+pub fn channel_energy<'k, T: Copy + Into<f64> + 'k>(
+    key: impl Fn(usize) -> &'k [T],
+    n: usize,
+    d: usize,
+) -> Vec<f64> {
     let mut e = vec![0.0_f64; d];
     for pos in 0..n {
         for (acc, &x) in e.iter_mut().zip(key(pos)) {
-            *acc += f64::from(x) * f64::from(x);
+            let x: f64 = x.into();
+            *acc += x * x;
         }
     }
     e

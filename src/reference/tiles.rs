@@ -147,9 +147,7 @@ pub fn select_by_tiles(
         .iter()
         .map(|kh| {
             (cp.sketch > 1).then(|| {
-                let energy: Vec<f64> = (0..kh.cols)
-                    .map(|c| (0..rows.end).map(|j| kh.row(j)[c].powi(2)).sum())
-                    .collect();
+                let energy = super::decode::channel_energy(|j| kh.row(j), rows.end, kh.cols);
                 super::decode::strongest_channels(&energy, kh.cols / cp.sketch)
             })
         })
