@@ -9,7 +9,7 @@
 # H100/H200), with the flags ggml's CMake uses. It runs nothing: the GPU run is
 # scripts/gpu-test.sh on a machine with a GPU.
 #
-#   scripts/cuda-compile-check.sh          # h2o-attn.cu and ggml-cuda.cu: a few minutes
+#   scripts/cuda-compile-check.sh          # h2o-attn.cu, h2o-decode.cu and ggml-cuda.cu: a few minutes
 #   scripts/cuda-compile-check.sh --all    # every unit of ggml-cuda: hours on 2 cores
 #   CUDA_ARCHS="80;90" scripts/cuda-compile-check.sh
 #
@@ -64,7 +64,7 @@ flags=(
     "${gencode[@]}"
 )
 
-units=("$tree/ggml/src/ggml-cuda/h2o-attn.cu" "$tree/ggml/src/ggml-cuda/ggml-cuda.cu")
+units=("$tree/ggml/src/ggml-cuda/h2o-attn.cu" "$tree/ggml/src/ggml-cuda/h2o-decode.cu" "$tree/ggml/src/ggml-cuda/ggml-cuda.cu")
 if [ "$all" = 1 ]; then
     mapfile -t units < <(find "$tree/ggml/src/ggml-cuda" -name '*.cu' | sort)
 fi

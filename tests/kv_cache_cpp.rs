@@ -47,7 +47,8 @@ fn kv_cache_h2o_state_cpp_tests() {
     assert!(stdout.contains("19 tests, 0 failed"), "{stdout}");
 }
 
-/// GGML_OP_H2O_ATTN on every GPU backend against the CPU backend (tests/cpp/test-h2o-backends.cpp).
+/// GGML_OP_H2O_ATTN and GGML_OP_H2O_DECODE on every GPU backend against the CPU backend
+/// (tests/cpp/test-h2o-backends.cpp).
 /// A CPU-only build has no GPU backend: the program runs its cases on a 3-thread CPU backend
 /// against the 1-thread reference instead (bit-identical), and says the GPU comparison skipped; on
 /// a GPU machine it is run by `scripts/gpu-test.sh`.
@@ -58,16 +59,19 @@ fn h2o_attention_backends_agree() {
     // it skips exactly when the build has no GPU backend
     let skipped = stdout.contains("skipped: no GPU backend");
     assert_eq!(skipped, stdout.contains("\n0 GPU backend(s)"), "{stdout}");
-    // every case compared on every backend (the stand-in CPU one included): 24 comparisons each (7
-    // of the seed rule, 6 of sinks, query-aware and hybrid selection and the dense tail, 5 of
-    // coverage selection, 6 of soft-capping, learned sinks and BF16 or quantized K/V)
+    // every case compared on every backend (the stand-in CPU one included): 24 comparisons of the
+    // prefill op each (7 of the seed rule, 6 of sinks, query-aware and hybrid selection and the
+    // dense tail, 5 of coverage selection, 6 of soft-capping, learned sinks and BF16 or quantized
+    // K/V) and 7 of the sparse decode op
     let n_compared = stdout.matches(" memory slots differ").count();
+    let n_decode = stdout.matches(" channels or counts differ").count();
     let n_backends = if skipped {
         1
     } else {
         stdout.matches("coverage selection with H = ").count()
     };
     assert_eq!(n_compared, 24 * n_backends, "{stdout}");
+    assert_eq!(n_decode, 7 * n_backends, "{stdout}");
     if skipped {
         assert!(stdout.contains("CPU, 3 threads"), "{stdout}");
     }

@@ -380,6 +380,202 @@ void check_coverage_refusal(ggml_backend_t gpu, const char * name) {
     ggml_free(ctx);
 }
 
+// GGML_OP_H2O_DECODE (patch 0025; the CUDA kernels, patch 0028): decode steps against the CPU on one backend state
+// and one reference state, each carried from call to call as llama's KV cache carries it. The sketch state (each
+// block's F16 sketch, each KV head's channels and the count of blocks sketched) must be bit-identical: the CUDA
+// kernels sum the channel energies and form the estimates in the CPU's order, so they choose the same channels and the
+// same positions. The outputs may differ by float rounding, as the prefill's.
+struct decode_state {
+    ggml_context          * ctx = nullptr;
+    ggml_backend_buffer_t   buf = nullptr;
+    ggml_tensor * k      = nullptr;
+    ggml_tensor * v      = nullptr;
+    ggml_tensor * summ   = nullptr;
+    ggml_tensor * summ_n = nullptr;
+
+    decode_state(ggml_backend_t backend, const shape & sh, int64_t n_stream, const std::vector<ggml_fp16_t> & kv_k,
+            const std::vector<ggml_fp16_t> & kv_v, ggml_type type_k, ggml_type type_v) {
+        const int64_t B = GGML_H2O_DECODE_BLOCK;
+        const int64_t R = sh.D/4;
+        ggml_init_params ip = { 8*ggml_tensor_overhead(), nullptr, /*no_alloc=*/ true };
+        ctx    = ggml_init(ip);
+        k      = ggml_new_tensor_4d(ctx, type_k, sh.D, sh.n_head_kv, sh.kv_size, n_stream);
+        v      = ggml_new_tensor_4d(ctx, type_v, sh.D, sh.n_head_kv, sh.kv_size, n_stream);
+        summ   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, R*B, sh.n_head_kv, sh.kv_size/B, n_stream);
+        summ_n = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1 + R*sh.n_head_kv, n_stream);
+        buf    = ggml_backend_alloc_ctx_tensors(ctx, backend);
+        state::set_as(k, kv_k);
+        state::set_as(v, kv_v);
+        ggml_backend_tensor_memset(summ,   0x00, 0, ggml_nbytes(summ));
+        ggml_backend_tensor_memset(summ_n, 0x00, 0, ggml_nbytes(summ_n));
+    }
+    ~decode_state() {
+        ggml_backend_buffer_free(buf);
+        ggml_free(ctx);
+    }
+};
+
+struct decode_result {
+    std::vector<float>    out;
+    std::vector<uint16_t> summ;
+    std::vector<int32_t>  summ_n;
+    bool                  supported = true;
+};
+
+// one decode call: n_tokens queries per stream, query t of stream s seeing the cells [0, extents[s][t]) but the closed
+// ones
+decode_result run_decode(ggml_backend_t backend, decode_state & st, const shape & sh,
+        const std::vector<std::vector<int32_t>> & extents, int32_t n_sink, int32_t n_local, int32_t n_budget,
+        logit_opts lo, bool mask_f16, int32_t closed_begin, int32_t closed_end, uint32_t seed) {
+    const int64_t n_stream = (int64_t) extents.size();
+    const int64_t n_tokens = (int64_t) extents[0].size();
+    ggml_init_params ip = { 8*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * q     = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, n_tokens, n_stream);
+    ggml_tensor * mask  = ggml_new_tensor_4d(ctx, mask_f16 ? GGML_TYPE_F16 : GGML_TYPE_F32, sh.kv_size, n_tokens, 1, n_stream);
+    ggml_tensor * sinks = lo.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, sh.n_head) : nullptr;
+    ggml_tensor * out   = ggml_h2o_decode(ctx, q, st.k, st.v, mask, st.summ, st.summ_n, n_sink, n_local, n_budget,
+            1.0f/std::sqrt((float) sh.D));
+    ggml_h2o_attn_set_logits(out, lo.softcap, sinks);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+
+    decode_result r;
+    r.supported = ggml_backend_supports_op(backend, out);
+    if (r.supported) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+        std::mt19937 rng(seed);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        std::vector<float> qv(ggml_nelements(q));
+        for (float & x : qv) { x = nd(rng); }
+        ggml_backend_tensor_set(q, qv.data(), 0, ggml_nbytes(q));
+        std::vector<float> mv(ggml_nelements(mask));
+        for (int64_t s = 0; s < n_stream; ++s) {
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                for (int64_t j = 0; j < sh.kv_size; ++j) {
+                    const bool open = j < extents[s][t] && (j < closed_begin || j >= closed_end);
+                    mv[(s*n_tokens + t)*sh.kv_size + j] = open ? 0.0f : -INFINITY;
+                }
+            }
+        }
+        if (mask_f16) {
+            std::vector<ggml_fp16_t> mh(mv.size());
+            ggml_fp32_to_fp16_row(mv.data(), mh.data(), (int64_t) mv.size());
+            ggml_backend_tensor_set(mask, mh.data(), 0, ggml_nbytes(mask));
+        } else {
+            ggml_backend_tensor_set(mask, mv.data(), 0, ggml_nbytes(mask));
+        }
+        if (sinks) {
+            ggml_backend_tensor_set(sinks, lo.sinks->data(), 0, ggml_nbytes(sinks));
+        }
+        CHECK(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS, "%s: graph compute failed", ggml_backend_name(backend));
+        r.out.resize(ggml_nelements(out));
+        r.summ.resize(ggml_nelements(st.summ));
+        r.summ_n.resize(ggml_nelements(st.summ_n));
+        ggml_backend_tensor_get(out, r.out.data(), 0, ggml_nbytes(out));
+        ggml_backend_tensor_get(st.summ, r.summ.data(), 0, ggml_nbytes(st.summ));
+        ggml_backend_tensor_get(st.summ_n, r.summ_n.data(), 0, ggml_nbytes(st.summ_n));
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_free(ctx);
+    return r;
+}
+
+bool compare_decode(const char * what, const char * name, const decode_result & ref, const decode_result & got, float max_v,
+        bool exact) {
+    if (!got.supported) {
+        CHECK(false, "%s: %s does not support GGML_OP_H2O_DECODE: the scheduler would run it on the CPU", what, name);
+        return false;
+    }
+    float max_out = 0.0f;
+    for (size_t i = 0; i < ref.out.size(); ++i) {
+        max_out = std::max(max_out, std::fabs(ref.out[i] - got.out[i]));
+    }
+    CHECK(max_out <= 1e-3f*std::max(1.0f, max_v), "%s: %s output differs by %g", what, name, max_out);
+    int n_summ = 0;
+    for (size_t i = 0; i < ref.summ.size(); ++i) {
+        n_summ += ref.summ[i] != got.summ[i];
+    }
+    int n_chan = 0;
+    for (size_t i = 0; i < ref.summ_n.size(); ++i) {
+        n_chan += ref.summ_n[i] != got.summ_n[i];
+    }
+    CHECK(n_summ == 0 && n_chan == 0, "%s: %s: %d sketch values and %d channels or counts differ from the CPU's", what, name,
+            n_summ, n_chan);
+    CHECK(!exact || max_out == 0.0f, "%s: %s is not bit-identical to the reference", what, name);
+    std::printf("     %s on %s: max |Δout| %.3g, %d sketch values and %d channels or counts differ\n", what, name, max_out,
+            n_summ, n_chan);
+    return true;
+}
+
+// Seven decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
+// which chooses the channels and sketches it; two tokens at once; a step that sketches four more blocks), two streams
+// with a soft-cap and learned sinks under an F16 mask, q8_0 K/V with closed cells among the candidates, BF16 K with
+// q4_0 V and two sink blocks, and a budget that covers the context (full attention).
+void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh, float max_v, bool exact) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<ggml_fp16_t> kv_k((size_t) 2*sh.kv_size*sh.n_head_kv*sh.D);
+    std::vector<ggml_fp16_t> kv_v(kv_k.size());
+    for (auto & x : kv_k) { x = ggml_fp32_to_fp16(nd(rng)); }
+    for (auto & x : kv_v) { x = ggml_fp32_to_fp16(nd(rng)); }
+    std::vector<float> sinks(sh.n_head);
+    for (int64_t h = 0; h < sh.n_head; ++h) {
+        sinks[h] = 2.0f*std::sin(1.0f + (float) h);
+    }
+    const int32_t none = 0;
+    {
+        decode_state ref_st(cpu,   sh, 1, kv_k, kv_v, GGML_TYPE_F16, GGML_TYPE_F16);
+        decode_state got_st(other, sh, 1, kv_k, kv_v, GGML_TYPE_F16, GGML_TYPE_F16);
+        const struct {
+            const char *                      what;
+            std::vector<std::vector<int32_t>> extents;
+        } steps[] = {
+            { "decode, first step after 700 tokens, budget 128",  { { 701 } } },
+            { "decode, two tokens at once",                       { { 702, 703 } } },
+            { "decode, a step that sketches four more blocks",    { { 760 } } },
+        };
+        uint32_t seed = 100;
+        for (const auto & st : steps) {
+            if (!compare_decode(st.what, name,
+                        run_decode(cpu,   ref_st, sh, st.extents, 4, 64, 128, {}, false, none, none, seed),
+                        run_decode(other, got_st, sh, st.extents, 4, 64, 128, {}, false, none, none, seed), max_v, exact)) {
+                break;
+            }
+            ++seed;
+        }
+    }
+    const struct {
+        const char *                      what;
+        std::vector<std::vector<int32_t>> extents;
+        int32_t    n_sink, n_local, n_budget;
+        logit_opts lo;
+        bool       mask_f16;
+        int32_t    closed_begin, closed_end;
+        ggml_type  type_k, type_v;
+    } cases[] = {
+        { "decode, two streams, soft-cap 1 and sinks, F16 mask", { { 300 }, { 900 } }, 0, 32, 64, { 1.0f, &sinks }, true,
+            none, none, GGML_TYPE_F16, GGML_TYPE_F16 },
+        { "decode, q8_0 K/V, closed cells among the candidates", { { 640 } }, 4, 64, 96, {}, false, 200, 230,
+            GGML_TYPE_Q8_0, GGML_TYPE_Q8_0 },
+        { "decode, BF16 K, q4_0 V, two sink blocks",             { { 500 } }, 20, 48, 64, {}, false, none, none,
+            GGML_TYPE_BF16, GGML_TYPE_Q4_0 },
+        { "decode, a budget that covers the context",            { { 400 } }, 4, 64, 1024, {}, false, none, none,
+            GGML_TYPE_F16, GGML_TYPE_F16 },
+    };
+    uint32_t seed = 200;
+    for (const auto & c : cases) {
+        const int64_t n_stream = (int64_t) c.extents.size();
+        decode_state ref_st(cpu,   sh, n_stream, kv_k, kv_v, c.type_k, c.type_v);
+        decode_state got_st(other, sh, n_stream, kv_k, kv_v, c.type_k, c.type_v);
+        compare_decode(c.what, name,
+                run_decode(cpu,   ref_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16, c.closed_begin, c.closed_end, seed),
+                run_decode(other, got_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16, c.closed_begin, c.closed_end, seed),
+                max_v, exact);
+        ++seed;
+    }
+}
+
 } // namespace
 
 int main() {
@@ -418,6 +614,7 @@ int main() {
         run_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
         run_coverage_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
         run_logit_and_cache_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
+        run_decode_cases(cpu, gpu, name, sh, max_v, false);
         check_coverage_refusal(gpu, name);
         ggml_backend_free(gpu);
     }
@@ -432,6 +629,7 @@ int main() {
         run_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
         run_coverage_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
         run_logit_and_cache_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
+        run_decode_cases(cpu, cpu3, "CPU x3", sh, max_v, true);
         ggml_backend_free(cpu3);
         std::printf("skipped: no GPU backend in this build (build with --features cuda or scripts/gpu-test.sh)\n");
     }
