@@ -16,9 +16,12 @@
 #                                # and their time per layer-chunk
 #   scripts/gpu-test.sh build    # cmake: llama.cpp + ggml with CUDA for the native GPU (all cores, ~5 min on
 #                                # 16), the three test programs and the prefill bench
-#   scripts/gpu-test.sh backends # build if needed, then test-h2o-backends alone (no model needed)
+#   scripts/gpu-test.sh backends [TOOL]
+#                                # ggml alone with CUDA and no flash-attention kernels (a build of its own,
+#                                # ~2 min on 16), then test-h2o-backends (no model, no llama); TOOL runs it
+#                                # under compute-sanitizer: memcheck, racecheck, synccheck or initcheck
 #   scripts/gpu-test.sh run      # build if needed, then
-#        test-h2o-backends       #   GGML_OP_H2O_ATTN on CUDA against the CPU backend, op by op
+#        test-h2o-backends       #   GGML_OP_H2O_ATTN and GGML_OP_H2O_DECODE on CUDA against the CPU backend
 #        test-h2o-offload MODEL  #   the H2O prefill with -ngl 99 against the CPU: placement, logits, memory
 #                                #   sets (forced equal call by call, and the near-tie bound), N <= S
 #        test-h2o-kv-cache MODEL #   the H2O state tests
@@ -35,8 +38,9 @@
 #       carry=["target/gpu"])   # after `pack`, target/gpu holds all but model.gguf.part-ab (kept aside by pack)
 #   run(command="bash scripts/gpu-test.sh run && bash scripts/gpu-test.sh bench llama-3-8b:8 ... && ...",
 #       carry=["target/gpu-b"]) # the second half of the default model
-#   run(command="bash scripts/gpu-test.sh kernels; bash scripts/gpu-test.sh backends", carry=["target/gpu"])
-#                               # the op's kernels alone, every policy (coverage selection included), ~6.5 min
+#   run(command="export CARGO_TARGET_DIR=target/gpuop; bash scripts/gpu-test.sh backends; bash scripts/gpu-test.sh kernels",
+#       carry=["target/gpuop"])  # the ops alone, every policy and sparse decode, ~3 min with the start: carries
+#                                # only target/gpuop/gpu/h2o-gpu-src.tar.gz (copied there from target/gpu after pack)
 # Where Rust is available with the GPU, the end-to-end checks are the Rust tests and `h2o-cli bench -ngl 99`
 # of a `cargo build --release --features cuda` build (README, CUDA).
 set -euo pipefail
@@ -117,11 +121,11 @@ pack)
     (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") | awk '{print $1 "  model.gguf"}' > "$gpu/model.gguf.sha256"
     echo "split $(basename "$model") into $gpu/model.gguf.part-aa and $target/gpu-b/model.gguf.part-ab" >&2
     # the tokenizer for synthetic models, and the gguf package that writes them (the device has no network)
-    [ -f "$gpu/vocab.gguf" ] || python3 scripts/synthetic-model.py vocab "$model" "$gpu/vocab.gguf"
     if [ ! -f "$gpu/$gguf_wheel" ]; then
         python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu" "gguf==$gguf_version"
         [ -f "$gpu/$gguf_wheel" ] || { echo "gpu-test.sh: pip did not fetch $gguf_wheel" >&2; exit 1; }
     fi
+    [ -f "$gpu/vocab.gguf" ] || GGUF_WHEEL="$gpu/$gguf_wheel" python3 scripts/synthetic-model.py vocab "$model" "$gpu/vocab.gguf"
     du -ch "$gpu"/* | tail -1 | sed 's/total/carried by the first call (target\/gpu)/' >&2
     ;;
 kernels)
@@ -132,7 +136,42 @@ kernels)
         "$work/src/h2o-tests/bench-h2o-cuda-op.cu" -o "$work/bin/bench-h2o-cuda-op"
     "$work/bin/bench-h2o-cuda-op"
     ;;
-build|run|backends)
+backends)
+    # ggml alone, in a build of its own: the op's test needs neither llama nor ggml's flash-attention kernels,
+    # which are most of a CUDA build's time (GGML_CUDA_FA=OFF)
+    unpack
+    command -v nvcc > /dev/null || { echo "gpu-test.sh: nvcc not found: this step needs the CUDA toolkit" >&2; exit 1; }
+    command -v cmake > /dev/null || { echo "gpu-test.sh: cmake not found" >&2; exit 1; }
+    if [ ! -f "$work/build-op/CMakeCache.txt" ]; then
+        cmake -S "$work/src" -B "$work/build-op" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+            -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native -DGGML_NATIVE=ON -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_FA=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_APP=OFF \
+            -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_CURL=OFF > "$work/cmake-op.log" \
+            || { tail -30 "$work/cmake-op.log"; exit 1; }
+    fi
+    if [ ! -x "$work/bin/test-h2o-backends" ] || [ "$work/unpacked" -nt "$work/bin/test-h2o-backends" ]; then
+        jobs=$(nproc)
+        echo "== cmake --build: ggml with CUDA, no flash attention (-j $jobs)" >&2
+        start=$SECONDS
+        cmake --build "$work/build-op" -j "$jobs" --target ggml > "$work/build-op.log" 2>&1 \
+            || { tail -40 "$work/build-op.log"; exit 1; }
+        echo "   built in $((SECONDS - start)) s" >&2
+        cuda_lib="$(dirname "$(dirname "$(command -v nvcc)")")/lib64"
+        g++ -std=c++17 -O2 -I"$work/src/ggml/include" -I"$work/src/ggml/src" "$work/src/h2o-tests/test-h2o-backends.cpp" \
+            "$work/build-op/ggml/src/libggml.a" "$work/build-op/ggml/src/ggml-cuda/libggml-cuda.a" \
+            "$work/build-op/ggml/src/libggml-cpu.a" "$work/build-op/ggml/src/libggml-base.a" \
+            -L"$cuda_lib" -L"$cuda_lib/stubs" -lcudart -lcublas -lcublasLt -lcuda -fopenmp -lpthread -ldl -lm \
+            -o "$work/bin/test-h2o-backends"
+    fi
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+    echo "== test-h2o-backends" >&2
+    case "${2:-}" in
+    memcheck|racecheck|synccheck|initcheck)
+        exec compute-sanitizer --tool "$2" --print-limit 100 "$work/bin/test-h2o-backends" ;;
+    esac
+    exec "$work/bin/test-h2o-backends"
+    ;;
+build|run)
     unpack
     if [ ! -f "$work/build/CMakeCache.txt" ]; then
         command -v nvcc > /dev/null || { echo "gpu-test.sh: nvcc not found: this step needs the CUDA toolkit" >&2; exit 1; }
@@ -166,11 +205,6 @@ build|run|backends)
         done
     fi
     [ "$1" = build ] && { echo "built in $work" >&2; exit 0; }
-    if [ "$1" = backends ]; then
-        nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
-        echo "== test-h2o-backends" >&2
-        exec "$work/bin/test-h2o-backends"
-    fi
 
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     model=$(default_model)
@@ -215,7 +249,7 @@ bench)
         -ngl 99 -fa on --json "$out"
     ;;
 *)
-    sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
