@@ -19,7 +19,8 @@
 #   scripts/gpu-test.sh backends [TOOL]
 #                                # ggml alone with CUDA and no flash-attention kernels (a build of its own,
 #                                # ~2 min on 16), then test-h2o-backends (no model, no llama); TOOL runs it
-#                                # under compute-sanitizer: memcheck, racecheck, synccheck or initcheck
+#                                # under compute-sanitizer: memcheck, racecheck, synccheck or initcheck;
+#                                # `decode-speed` instead times the decode op (tests/cpp/bench-h2o-decode.cpp)
 #   scripts/gpu-test.sh run      # build if needed, then
 #        test-h2o-backends       #   GGML_OP_H2O_ATTN and GGML_OP_H2O_DECODE on CUDA against the CPU backend
 #        test-h2o-offload MODEL  #   the H2O prefill with -ngl 99 against the CPU: placement, logits, memory
@@ -149,7 +150,7 @@ backends)
             -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_CURL=OFF > "$work/cmake-op.log" \
             || { tail -30 "$work/cmake-op.log"; exit 1; }
     fi
-    if [ ! -x "$work/bin/test-h2o-backends" ] || [ "$work/unpacked" -nt "$work/bin/test-h2o-backends" ]; then
+    if [ ! -x "$work/bin/bench-h2o-decode" ] || [ "$work/unpacked" -nt "$work/bin/bench-h2o-decode" ]; then
         jobs=$(nproc)
         echo "== cmake --build: ggml with CUDA, no flash attention (-j $jobs)" >&2
         start=$SECONDS
@@ -157,11 +158,16 @@ backends)
             || { tail -40 "$work/build-op.log"; exit 1; }
         echo "   built in $((SECONDS - start)) s" >&2
         cuda_lib="$(dirname "$(dirname "$(command -v nvcc)")")/lib64"
-        g++ -std=c++17 -O2 -I"$work/src/ggml/include" -I"$work/src/ggml/src" "$work/src/h2o-tests/test-h2o-backends.cpp" \
-            "$work/build-op/ggml/src/libggml.a" "$work/build-op/ggml/src/ggml-cuda/libggml-cuda.a" \
-            "$work/build-op/ggml/src/libggml-cpu.a" "$work/build-op/ggml/src/libggml-base.a" \
-            -L"$cuda_lib" -L"$cuda_lib/stubs" -lcudart -lcublas -lcublasLt -lcuda -fopenmp -lpthread -ldl -lm \
-            -o "$work/bin/test-h2o-backends"
+        for t in test-h2o-backends bench-h2o-decode; do
+            g++ -std=c++17 -O2 -I"$work/src/ggml/include" -I"$work/src/ggml/src" "$work/src/h2o-tests/$t.cpp" \
+                "$work/build-op/ggml/src/libggml.a" "$work/build-op/ggml/src/ggml-cuda/libggml-cuda.a" \
+                "$work/build-op/ggml/src/libggml-cpu.a" "$work/build-op/ggml/src/libggml-base.a" \
+                -L"$cuda_lib" -L"$cuda_lib/stubs" -lcudart -lcublas -lcublasLt -lcuda -fopenmp -lpthread -ldl -lm \
+                -o "$work/bin/$t"
+        done
+    fi
+    if [ "${2:-}" = decode-speed ]; then
+        exec "$work/bin/bench-h2o-decode"
     fi
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     echo "== test-h2o-backends" >&2
