@@ -58,6 +58,14 @@ impl SeqBook {
     }
 }
 
+/// What a sequence's prompt state depends on: its selection, not its decode budget.
+fn selection(h2o: Option<H2oConfig>) -> Option<H2oConfig> {
+    h2o.map(|h| H2oConfig {
+        decode_budget: 0,
+        ..h
+    })
+}
+
 /// One llama.cpp context serving `n_seq` sequences, each with its own KV stream of
 /// `n_ctx_seq` cells and its own H2O state.
 pub struct ParallelSession<'m> {
@@ -254,9 +262,15 @@ impl<'m> ParallelSession<'m> {
     /// (with H2O, up to a chunk boundary; none when the selection changes), and returns how many
     /// tokens it kept. Evaluate the rest, `prompt[kept..]`, with [`ParallelSession::prefill`].
     ///
+    /// `h2o.decode_budget` is the sequence's own sparse decode budget (0: full-attention
+    /// decode), which needs a context with sparse decode on when it is not 0. It changes
+    /// nothing the prompt builds, so it keeps the prefix; the sequences decoding together in a
+    /// step each read their own budget.
+    ///
     /// # Errors
     /// [`Error::EmptyPrompt`]; [`Error::PromptTooLong`] when `prompt` does not fit the
-    /// sequence's context; [`Error::InvalidConfig`] for a bad sequence or selection.
+    /// sequence's context; [`Error::InvalidConfig`] for a bad sequence, selection or decode
+    /// budget.
     pub fn start_prompt(
         &mut self,
         seq: SeqId,
@@ -281,8 +295,11 @@ impl<'m> ParallelSession<'m> {
                 "H2O per sequence needs a context with H2O on (--h2o-local/--h2o-heavy)".into(),
             ));
         }
+        if let (Some(w), Some(d)) = (want, default) {
+            self.check_decode_budget(w.decode_budget, d.decode_budget)?;
+        }
         let book = &self.seqs[seq as usize];
-        let keep = if book.h2o == want {
+        let keep = if selection(book.h2o) == selection(want) {
             let common = super::state::common_prefix(&book.tokens, prompt).min(prompt.len() - 1);
             reusable(
                 book.h2o,
@@ -296,10 +313,60 @@ impl<'m> ParallelSession<'m> {
         };
         let kept = self.rewind(seq, keep);
         // kept > 0 only where the selection stays; an emptied sequence runs the context's
-        if want != self.seqs[seq as usize].h2o {
+        if selection(want) != selection(self.seqs[seq as usize].h2o) {
             self.set_selection(seq, want)?;
         }
+        self.set_decode_budget(seq, want)?;
         Ok(kept as usize)
+    }
+
+    /// A sequence's decode budget `want` where the context's is `context`: 0 (full attention)
+    /// anywhere, else a context with sparse decode and a budget as `--h2o-decode-budget` takes.
+    fn check_decode_budget(&self, want: u32, context: u32) -> Result<()> {
+        if want == context || want == 0 {
+            return Ok(());
+        }
+        if context == 0 {
+            return Err(Error::InvalidConfig(format!(
+                "a sequence's sparse decode budget ({want}) needs a context with sparse decode on \
+                 (h2o decode_budget > 0, --h2o-decode sparse), which keeps the key sketches"
+            )));
+        }
+        if want < H2oConfig::DECODE_BLOCK || want > self.n_ctx_seq {
+            return Err(Error::InvalidConfig(format!(
+                "a sequence's sparse decode budget must be 0 (full attention) or between {} and its \
+                 context of {} positions, got {want}",
+                H2oConfig::DECODE_BLOCK,
+                self.n_ctx_seq
+            )));
+        }
+        Ok(())
+    }
+
+    /// Gives sequence `seq` the decode budget of `h2o` in llama.cpp (its own, or the context's
+    /// where they agree), then books `h2o` as the sequence's.
+    fn set_decode_budget(&mut self, seq: SeqId, h2o: Option<H2oConfig>) -> Result<()> {
+        let context = self.config.h2o.map_or(0, |h| h.decode_budget);
+        #[cfg(not(feature = "stock"))]
+        if context > 0 {
+            let own = h2o.map_or(context, |h| h.decode_budget);
+            // 0 is full attention: a budget that covers the sequence's context
+            let n_budget = match own {
+                o if o == context => -1,
+                0 => i32::try_from(self.n_ctx_seq).unwrap_or(i32::MAX),
+                o => i32::try_from(o).unwrap_or(i32::MAX),
+            };
+            // SAFETY: valid context; llama.cpp checks every argument.
+            let rc =
+                unsafe { sys::llama_h2o_set_seq_decode(self.ctx.as_ptr(), seq as i32, n_budget) };
+            if rc != sys::LLAMA_H2O_STATUS_OK {
+                return Err(Error::InvalidConfig(format!(
+                    "llama.cpp refused the sparse decode budget {own} for sequence {seq} (status {rc})"
+                )));
+            }
+        }
+        self.seqs[seq as usize].h2o = h2o;
+        Ok(())
     }
 
     /// Evaluates the next call of a prompt's remaining tokens `rest` in sequence `seq`: as many
