@@ -671,6 +671,7 @@ fn a_unified_cache_lets_one_slot_use_what_the_others_leave() {
 #[test]
 fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     // slots of 1024 tokens; a step reads the first block, the last 16 positions and 64 chosen
+    // (or a request's own budget)
     let mut args = SHAPE.to_vec();
     args.extend(["--h2o-decode", "sparse", "--h2o-decode-budget", "64"]);
     let server = Server::start(&args);
@@ -685,6 +686,31 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
         "sparse: {keys} keys a step after {prompt_n} prompt tokens: {v}"
     );
     assert!(!v["content"].as_str().unwrap().is_empty(), "{v}");
+
+    // a request asks for its own decode: full attention reads every cached position, a larger
+    // budget more than the server's
+    let mut own = body.clone();
+    own["h2o_decode"] = json!("full");
+    let (status, v) = post(&server, "/completion", &own);
+    assert_eq!(status, 200, "{v}");
+    let full_keys = v["timings"]["h2o_decode_keys_per_step"].as_f64().unwrap();
+    assert!(
+        full_keys > prompt_n,
+        "full for one request: {full_keys} keys a step: {v}"
+    );
+    let mut own = body.clone();
+    own["h2o_decode_budget"] = json!(256);
+    let (status, v) = post(&server, "/completion", &own);
+    assert_eq!(status, 200, "{v}");
+    let own_keys = v["timings"]["h2o_decode_keys_per_step"].as_f64().unwrap();
+    assert!(
+        own_keys > keys + 128.0 && own_keys < full_keys,
+        "budget 256 for one request: {own_keys} keys a step (64: {keys}, full: {full_keys}): {v}"
+    );
+    // and the next request without the field decodes with the server's budget again
+    let (_, v) = post(&server, "/completion", &body);
+    let again = v["timings"]["h2o_decode_keys_per_step"].as_f64().unwrap();
+    assert_eq!(again, keys, "{v}");
     drop(server);
 
     // full-attention decode reads every cached position
@@ -692,6 +718,13 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     let (_, v) = post(&server, "/completion", &body);
     let keys = v["timings"]["h2o_decode_keys_per_step"].as_f64().unwrap();
     assert!(keys > prompt_n, "full: {keys} keys a step: {v}");
+    // a server that decodes with full attention keeps no key sketches: sparse decode for one
+    // request is refused, naming the field
+    let mut own = body.clone();
+    own["h2o_decode"] = json!("sparse");
+    let (status, v) = post(&server, "/completion", &own);
+    assert_eq!(status, 400, "{v}");
+    assert!(v.to_string().contains("h2o_decode"), "{v}");
     drop(server);
 
     // a budget beyond a slot's context is refused at start, naming the flag

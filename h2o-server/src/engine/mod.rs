@@ -158,13 +158,27 @@ pub struct Sampling {
     pub post_sampling_probs: bool,
 }
 
-/// Per-request H2O settings (extra body fields `h2o_select`, `h2o_sink`, `h2o_dense_tail`);
-/// `None` keeps the server's setting. L and H are the server's (`--h2o-local/--h2o-heavy`).
+/// Per-request H2O settings (extra body fields `h2o_select`, `h2o_sink`, `h2o_dense_tail`,
+/// `h2o_decode`, `h2o_decode_budget`); `None` keeps the server's setting. L and H are the
+/// server's (`--h2o-local/--h2o-heavy`).
 #[derive(Debug, Clone, Default)]
 pub struct H2oOverrides {
     pub select: Option<Selection>,
     pub sink: Option<u32>,
     pub dense_tail: Option<u32>,
+    /// The request's sparse decode budget (0: full-attention decode).
+    pub decode_budget: Option<u32>,
+}
+
+impl H2oOverrides {
+    /// No field set: the server's settings.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.select.is_none()
+            && self.sink.is_none()
+            && self.dense_tail.is_none()
+            && self.decode_budget.is_none()
+    }
 }
 
 #[derive(Debug, Clone)]

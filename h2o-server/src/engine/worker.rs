@@ -683,13 +683,14 @@ impl<'m> Engine<'m> {
     fn job_h2o(&self, job: &Job) -> Option<H2oConfig> {
         let base = self.session.config().h2o.filter(H2oConfig::is_enabled)?;
         let o = &job.h2o;
-        if o.select.is_none() && o.sink.is_none() && o.dense_tail.is_none() {
+        if o.is_empty() {
             return None;
         }
         Some(H2oConfig {
             select: o.select.unwrap_or(base.select),
             sink: o.sink.unwrap_or(base.sink),
             dense_tail: o.dense_tail.unwrap_or(base.dense_tail),
+            decode_budget: o.decode_budget.unwrap_or(base.decode_budget),
             ..base
         })
     }

@@ -296,8 +296,12 @@ fn stop_strings(v: &Value) -> Result<Vec<String>, ApiError> {
 
 /// The request's H2O fields, checked against the server's L and H as `--h2o-*` are at start.
 pub(super) fn h2o_overrides(c: &Common, info: &EngineInfo) -> Result<H2oOverrides, ApiError> {
+    let decode_budget = h2o_decode_budget(c, info)?;
     if c.h2o_select.is_none() && c.h2o_sink.is_none() && c.h2o_dense_tail.is_none() {
-        return Ok(H2oOverrides::default());
+        return Ok(H2oOverrides {
+            decode_budget,
+            ..H2oOverrides::default()
+        });
     }
     let Some(h2o) = info.h2o.filter(h2o_llama::H2oConfig::is_enabled) else {
         // silently ignoring them would report full-attention answers as the policy asked for
@@ -355,5 +359,68 @@ pub(super) fn h2o_overrides(c: &Common, info: &EngineInfo) -> Result<H2oOverride
         select,
         sink,
         dense_tail,
+        decode_budget,
     })
+}
+
+/// The request's decode (`h2o_decode`: `"full"` or `"sparse"`, and `h2o_decode_budget`, which
+/// alone means sparse): `Some(0)` for full-attention decode, `Some(budget)` for sparse decode.
+/// Full decode is always served; sparse decode needs a server started with it, since only then
+/// does its cache keep the key sketches.
+fn h2o_decode_budget(c: &Common, info: &EngineInfo) -> Result<Option<u32>, ApiError> {
+    let sparse = match c.h2o_decode.as_deref() {
+        None => c.h2o_decode_budget.is_some(),
+        Some("sparse") => true,
+        Some("full") if c.h2o_decode_budget.is_some() => {
+            return Err(ApiError::field(
+                "h2o_decode_budget",
+                "h2o_decode_budget is the budget of sparse decode: leave it out with                  \"h2o_decode\": \"full\", or ask for \"sparse\""
+                    .to_string(),
+            ));
+        }
+        Some("full") => return Ok(Some(0)),
+        Some(other) => {
+            return Err(ApiError::field(
+                "h2o_decode",
+                format!("h2o_decode must be \"full\" or \"sparse\", got \"{other}\""),
+            ));
+        }
+    };
+    if !sparse {
+        return Ok(None);
+    }
+    let server = info
+        .h2o
+        .filter(h2o_llama::H2oConfig::is_enabled)
+        .map_or(0, |h| h.decode_budget);
+    let param = if c.h2o_decode.is_some() {
+        "h2o_decode"
+    } else {
+        "h2o_decode_budget"
+    };
+    if server == 0 {
+        // decoding the request with full attention would report a sparse answer that is not one
+        return Err(ApiError::field(
+            param,
+            format!(
+                "sparse decode needs a server started with it (--h2o-local L --h2o-heavy H \
+                 --h2o-decode sparse), which keeps the key sketches; this one decodes with full \
+                 attention: leave {param} out"
+            ),
+        ));
+    }
+    let Some(budget) = c.h2o_decode_budget else {
+        return Ok(Some(server));
+    };
+    match u32::try_from(budget) {
+        Ok(b) if (h2o_llama::H2oConfig::DECODE_BLOCK..=info.n_ctx_slot).contains(&b) => Ok(Some(b)),
+        _ => Err(ApiError::field(
+            "h2o_decode_budget",
+            format!(
+                "h2o_decode_budget must be between {} and a slot's context of {} tokens, got {budget}",
+                h2o_llama::H2oConfig::DECODE_BLOCK,
+                info.n_ctx_slot
+            ),
+        )),
+    }
 }

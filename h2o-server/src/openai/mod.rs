@@ -172,6 +172,11 @@ pub struct Common {
     pub h2o_sink: Option<i64>,
     #[serde(default)]
     pub h2o_dense_tail: Option<i64>,
+    /// `"full"` or `"sparse"` decode for this request, and its sparse decode budget.
+    #[serde(default)]
+    pub h2o_decode: Option<String>,
+    #[serde(default)]
+    pub h2o_decode_budget: Option<i64>,
 }
 
 /// A request body: its own fields, and for the generation endpoints the [`Common`] ones.
@@ -705,6 +710,86 @@ mod tests {
             )),
             "h2o_dense_tail"
         );
+    }
+
+    #[test]
+    fn a_request_asks_for_full_or_sparse_decode_within_what_the_server_keeps() {
+        let user = serde_json::json!([{"role": "user", "content": "x"}]);
+        let decode = |body: Value, info: &EngineInfo| -> Result<Option<u32>, ApiError> {
+            let jinja = Jinja {
+                mode: crate::jinja::JinjaMode::Tools,
+                templates: Err("no model in unit tests".into()),
+                reasoning_format: None,
+            };
+            parse::<ChatRequest>(&body)
+                .into_jobs(info, &jinja)
+                .map(|(mut jobs, _)| jobs.remove(0).h2o.decode_budget)
+        };
+        let param = |r: Result<Option<u32>, ApiError>| r.unwrap_err().param.unwrap_or_default();
+        // a server without sparse decode: full is what it does; sparse it cannot do
+        let plain = info(true);
+        assert_eq!(
+            decode(serde_json::json!({"messages": user}), &plain).unwrap(),
+            None
+        );
+        assert_eq!(
+            decode(
+                serde_json::json!({"messages": user, "h2o_decode": "full"}),
+                &plain
+            )
+            .unwrap(),
+            Some(0)
+        );
+        for (body, field) in [
+            (
+                serde_json::json!({"messages": user, "h2o_decode": "sparse"}),
+                "h2o_decode",
+            ),
+            (
+                serde_json::json!({"messages": user, "h2o_decode_budget": 64}),
+                "h2o_decode_budget",
+            ),
+            (
+                serde_json::json!({"messages": user, "h2o_decode": "fast"}),
+                "h2o_decode",
+            ),
+            (
+                serde_json::json!({"messages": user, "h2o_decode": "full", "h2o_decode_budget": 64}),
+                "h2o_decode_budget",
+            ),
+        ] {
+            assert_eq!(param(decode(body.clone(), &plain)), field, "{body}");
+        }
+        // a server with sparse decode, budget 64, slots of 512 tokens
+        let mut sparse = info(true);
+        sparse.h2o = sparse.h2o.map(|h| h2o_llama::H2oConfig {
+            decode_budget: 64,
+            ..h
+        });
+        assert_eq!(
+            decode(
+                serde_json::json!({"messages": user, "h2o_decode": "sparse"}),
+                &sparse
+            )
+            .unwrap(),
+            Some(64)
+        );
+        assert_eq!(
+            decode(
+                serde_json::json!({"messages": user, "h2o_decode_budget": 100}),
+                &sparse
+            )
+            .unwrap(),
+            Some(100)
+        );
+        for budget in [8, 513, -1] {
+            let body = serde_json::json!({"messages": user, "h2o_decode_budget": budget});
+            assert_eq!(
+                param(decode(body.clone(), &sparse)),
+                "h2o_decode_budget",
+                "{body}"
+            );
+        }
     }
 
     #[test]
