@@ -910,8 +910,9 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32, sketch: u32)
             std::slice::from_ref(&(0..N)),
         );
         for (h, engine_set) in sets.iter().enumerate() {
-            let what =
-                format!("coverage {coverage}, {samples} samples, sketch 1/{sketch}: layer {layer} head {h}");
+            let what = format!(
+                "coverage {coverage}, {samples} samples, sketch 1/{sketch}: layer {layer} head {h}"
+            );
             assert_eq!(
                 engine_set,
                 &r[h].memory_sets[N / S - 1],

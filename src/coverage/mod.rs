@@ -72,7 +72,10 @@ impl StudyConfig {
             .copied()
             .filter(|s| {
                 *s == Strategy::TodaysQuery
-                    || self.only.as_ref().is_none_or(|o| s.name().contains(o.as_str()))
+                    || self
+                        .only
+                        .as_ref()
+                        .is_none_or(|o| s.name().contains(o.as_str()))
             })
             .collect()
     }

@@ -316,7 +316,9 @@ impl Strategy {
             Self::SparqRefined { r, .. } => {
                 r as f64 * (i + 1.0) + d * ((4 * c.heavy + c.local) as f64).min(w)
             }
-            Self::SampledRefined { every, rank_every, .. } => {
+            Self::SampledRefined {
+                every, rank_every, ..
+            } => {
                 d * (i + 1.0) / every as f64
                     + d * ((4 * c.heavy + c.local) as f64).min(w) / rank_every as f64
             }
