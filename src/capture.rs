@@ -58,8 +58,8 @@ pub struct DecodeCapture {
     pub layer: u32,
     /// Positions the step sees (its own included): the cache's open cells.
     pub n: u32,
-    /// The op's sink, recent window and budget (positions: the stream's own where its sequence
-    /// has one, see `ParallelSession::start_prompt`), and the logit scale.
+    /// The step's sink, recent window and budget (positions; the sink and budget of its
+    /// sequence, which may be its own: see `ParallelSession::start_prompt`), and the logit scale.
     pub sink: u32,
     pub local: u32,
     pub budget: u32,
@@ -250,11 +250,11 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
     let out = unsafe { read_rows_f32(t, dv, n_head, 1) };
     // SAFETY: as above.
     let sinks = unsafe { read_sinks(t, n_head) };
-    // the sketch state, I32 [2 + n_head_kv * head_dim / 4] for the step's one stream: blocks
-    // sketched, the channels, the stream's own budget (-1: the op's)
+    // the sketch state, I32 [3 + n_head_kv * head_dim / 4] for the step's one stream: blocks
+    // sketched, the channels, the stream's own sink and budget (-1: the op's)
     // SAFETY: a computed node's sources are valid.
     let state = unsafe { &*t.src[4] };
-    let mut sketch = vec![0i32; 2 + n_head_kv * (d / 4)];
+    let mut sketch = vec![0i32; 3 + n_head_kv * (d / 4)];
     if state.type_ != sys::GGML_TYPE_I32 || state.ne[0] as usize != sketch.len() {
         return Err(format!("layer {layer}: unexpected sketch state"));
     }
@@ -263,7 +263,10 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
     Ok(DecodeCapture {
         layer,
         n: n as u32,
-        sink: p[0] as u32,
+        sink: match sketch[sketch.len() - 2] {
+            own if own >= 0 => own as u32,
+            _ => p[0] as u32,
+        },
         local: p[1] as u32,
         budget: match sketch[sketch.len() - 1] {
             own if own >= 0 => own as u32,
@@ -279,7 +282,7 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
         q: qv,
         k: kv,
         v: vv,
-        sketch_channels: sketch[1..sketch.len() - 1]
+        sketch_channels: sketch[1..sketch.len() - 2]
             .iter()
             .map(|&c| c as u32)
             .collect(),

@@ -2,8 +2,8 @@
 //! that covers the whole context, a decode step is full attention; with a small one, each step
 //! reads its sinks, its recent window and the positions its query points at, and its next-token
 //! distribution stays close to full attention's on the same cache; sequences decoding together
-//! in one `ParallelSession` step get what each gets alone, each with its own budget too; bad
-//! budgets are refused by name.
+//! in one `ParallelSession` step get what each gets alone, each with its own sink and budget
+//! too; bad budgets are refused by name.
 #![cfg(not(feature = "stock"))]
 
 mod common;
@@ -215,25 +215,38 @@ fn sequences_decoding_together_get_what_each_gets_alone() {
 }
 
 #[test]
-fn each_sequence_decodes_with_its_own_budget() {
-    // a context with budget 256; sequence 0 asks for 64, sequence 1 for full attention (0)
+fn each_sequence_decodes_with_its_own_sink_and_budget() {
+    // a context with budget 256: sequence 0 asks for a sink of 20 and a budget of 64, sequence 1
+    // keeps the context's, sequence 2 asks for full attention (0). Sequence 0 comes first in
+    // each step, so a step that took its sink for every sequence would give sequence 1 two sink
+    // blocks instead of one
     let m = common::model();
-    let prompts = [prompt(900), prompt(1300)[600..].to_vec()];
+    let prompts = [
+        prompt(900),
+        prompt(1500)[800..].to_vec(),
+        prompt(1300)[600..].to_vec(),
+    ];
     let forced: Vec<Token> = vec![11, 12, 13];
-    let own = |budget: u32| {
-        Some(H2oConfig {
-            decode_budget: budget,
-            ..H2oConfig::new(64, 64)
-        })
+    let own = |sink: u32, budget: u32| H2oConfig {
+        sink,
+        decode_budget: budget,
+        ..H2oConfig::new(64, 64)
     };
-    // alone, each in a context of its own budget: sequence 1's 700 tokens with a budget of 640
-    // cover its 608 candidates in a view of 768 cells, so that the op runs and reads every
-    // position, as a full-attention sequence does in a step the op runs for the other
-    let alone: Vec<Vec<f32>> = [(0, 64), (1, 640)]
+    let context = own(H2oConfig::new(64, 64).sink, 256);
+    let asks = [Some(own(20, 64)), None, Some(own(context.sink, 0))];
+    // alone, each in a context of its own settings: sequence 2's 700 tokens with a budget of
+    // 640 cover its 608 candidates in a view of 768 cells, so that the op runs and reads every
+    // position, as a full-attention sequence does in a step the op runs for the others
+    let alone: Vec<Vec<f32>> = [own(20, 64), context, own(context.sink, 640)]
         .iter()
-        .map(|&(i, budget)| {
-            let mut s = Session::new(m, config(budget)).unwrap();
-            s.evaluate(&prompts[i]).unwrap();
+        .zip(&prompts)
+        .map(|(&h2o, prompt)| {
+            let config = SessionConfig {
+                h2o: Some(h2o),
+                ..config(0)
+            };
+            let mut s = Session::new(m, config).unwrap();
+            s.evaluate(prompt).unwrap();
             for &t in &forced {
                 s.evaluate(&[t]).unwrap();
             }
@@ -245,44 +258,46 @@ fn each_sequence_decodes_with_its_own_budget() {
         h2o_undo_log: true,
         ..config(256)
     };
-    let mut p = ParallelSession::new(m, undo, 2).unwrap();
-    for (seq, budget) in [(0_u32, 64), (1, 0)] {
+    let mut p = ParallelSession::new(m, undo, 3).unwrap();
+    for (seq, ask) in asks.iter().enumerate() {
+        let seq = seq as u32;
         let prompt = &prompts[seq as usize];
-        p.start_prompt(seq, prompt, own(budget)).unwrap();
-        assert_eq!(p.h2o(seq).unwrap().decode_budget, budget);
+        p.start_prompt(seq, prompt, *ask).unwrap();
+        assert_eq!(p.h2o(seq), Some(ask.unwrap_or(context)));
         let mut done = 0;
         while done < prompt.len() {
             done += p.prefill(seq, &prompt[done..], usize::MAX).unwrap();
         }
     }
     for &t in &forced {
-        p.decode(&[(0, t), (1, t)]).unwrap();
+        p.decode(&[(0, t), (1, t), (2, t)]).unwrap();
     }
     for (i, alone) in alone.iter().enumerate() {
         let d = common::max_abs_diff(alone, p.logits(Some(i)).unwrap());
         assert!(
             d < 1e-3,
-            "sequence {i}: max |Δ logit| {d} between its own budget together and alone"
+            "sequence {i}: max |Δ logit| {d} between its own settings together and alone"
         );
     }
     // the budget changes nothing the prompt built: the same prompt keeps its prefix (up to a
     // chunk boundary), where a change of selection would empty the sequence
-    let kept = p.start_prompt(0, &prompts[0], own(128)).unwrap();
+    let kept = p.start_prompt(0, &prompts[0], Some(own(20, 128))).unwrap();
     assert!(kept >= 768, "kept {kept} of {} tokens", prompts[0].len());
     // emptied, a sequence decodes with the context's budget again
-    p.clear(1).unwrap();
-    assert_eq!(p.h2o(1).unwrap().decode_budget, 256);
+    p.clear(2).unwrap();
+    assert_eq!(p.h2o(2).unwrap().decode_budget, 256);
     // budgets are checked by name, and sparse decode needs a context that keeps the sketches
     let e = p
-        .start_prompt(1, &prompts[1], own(8))
+        .start_prompt(2, &prompts[2], Some(own(context.sink, 8)))
         .expect_err("a budget below a block");
     assert!(e.to_string().contains("sparse decode budget"), "{e}");
     let mut full = ParallelSession::new(m, config(0), 2).unwrap();
     let e = full
-        .start_prompt(0, &prompts[0], own(64))
+        .start_prompt(0, &prompts[0], Some(own(context.sink, 64)))
         .expect_err("sparse decode without the sketches");
     assert!(e.to_string().contains("--h2o-decode sparse"), "{e}");
-    full.start_prompt(0, &prompts[0], own(0)).unwrap();
+    full.start_prompt(0, &prompts[0], Some(own(context.sink, 0)))
+        .unwrap();
 }
 
 #[test]

@@ -402,19 +402,20 @@ struct decode_state {
         k      = ggml_new_tensor_4d(ctx, type_k, sh.D, sh.n_head_kv, sh.kv_size, n_stream);
         v      = ggml_new_tensor_4d(ctx, type_v, sh.D, sh.n_head_kv, sh.kv_size, n_stream);
         summ   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, R*B, sh.n_head_kv, sh.kv_size/B, n_stream);
-        summ_n = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 2 + R*sh.n_head_kv, n_stream);
+        summ_n = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 3 + R*sh.n_head_kv, n_stream);
         buf    = ggml_backend_alloc_ctx_tensors(ctx, backend);
         state::set_as(k, kv_k);
         state::set_as(v, kv_v);
         ggml_backend_tensor_memset(summ,   0x00, 0, ggml_nbytes(summ));
         ggml_backend_tensor_memset(summ_n, 0x00, 0, ggml_nbytes(summ_n));
         for (int64_t s = 0; s < n_stream; ++s) {
-            set_budget(s, -1); // the op's
+            set_own(s, -1, -1); // the op's
         }
     }
-    // stream s's own budget, the last value of its row of summ_n (-1: the op's)
-    void set_budget(int64_t s, int32_t n_budget) {
-        ggml_backend_tensor_set(summ_n, &n_budget, s*summ_n->nb[1] + (summ_n->ne[0] - 1)*sizeof(int32_t), sizeof(int32_t));
+    // stream s's own sink and budget, the last two values of its row of summ_n (-1: the op's)
+    void set_own(int64_t s, int32_t n_sink, int32_t n_budget) {
+        const int32_t own[2] = { n_sink, n_budget };
+        ggml_backend_tensor_set(summ_n, own, s*summ_n->nb[1] + (summ_n->ne[0] - 2)*sizeof(int32_t), sizeof(own));
     }
     ~decode_state() {
         ggml_backend_buffer_free(buf);
@@ -515,11 +516,11 @@ bool compare_decode(const char * what, const char * name, const decode_result & 
     return true;
 }
 
-// Seven decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
+// Eight decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
 // which chooses the channels and sketches it; two tokens at once; a step that sketches four more blocks), two streams
-// with a soft-cap and learned sinks under an F16 mask, the second with a budget of its own (patch 0030), q8_0 K/V with
-// closed cells among the candidates, BF16 K with q4_0 V and two sink blocks, and a budget that covers the context (full
-// attention).
+// with a soft-cap and learned sinks under an F16 mask, three streams with sinks and budgets of their own (patch 0030: a
+// budget of 0, the op's, one that covers the stream), q8_0 K/V with closed cells among the candidates, BF16 K with q4_0
+// V and two sink blocks, and a budget that covers the context (full attention).
 void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh, float max_v, bool exact) {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -562,8 +563,10 @@ void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * nam
         int32_t    closed_begin, closed_end;
         ggml_type  type_k, type_v;
     } cases[] = {
-        { "decode, two streams (one with its own budget), soft-cap 1 and sinks, F16 mask", { { 300 }, { 900 } }, 0, 32, 64,
-            { 1.0f, &sinks }, true, none, none, GGML_TYPE_F16, GGML_TYPE_F16 },
+        { "decode, two streams, soft-cap 1 and sinks, F16 mask",   { { 300 }, { 900 } }, 0, 32, 64, { 1.0f, &sinks }, true,
+            none, none, GGML_TYPE_F16, GGML_TYPE_F16 },
+        { "decode, three streams with their own sinks and budgets", { { 300 }, { 900 }, { 700 } }, 4, 32, 64, {}, false,
+            none, none, GGML_TYPE_F16, GGML_TYPE_F16 },
         { "decode, q8_0 K/V, closed cells among the candidates", { { 640 } }, 4, 64, 96, {}, false, 200, 230,
             GGML_TYPE_Q8_0, GGML_TYPE_Q8_0 },
         { "decode, BF16 K, q4_0 V, two sink blocks",             { { 500 } }, 20, 48, 64, {}, false, none, none,
@@ -576,9 +579,12 @@ void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * nam
         const int64_t n_stream = (int64_t) c.extents.size();
         decode_state ref_st(cpu,   sh, n_stream, kv_k, kv_v, c.type_k, c.type_v);
         decode_state got_st(other, sh, n_stream, kv_k, kv_v, c.type_k, c.type_v);
-        if (n_stream > 1) {
-            ref_st.set_budget(1, 200);
-            got_st.set_budget(1, 200);
+        if (n_stream == 3) {
+            // a budget of 0 with a sink of 20 (two blocks), the op's sink and budget, a budget that covers the stream
+            for (decode_state * st : { &ref_st, &got_st }) {
+                st->set_own(0, 20, 0);
+                st->set_own(2, 4, 1024);
+            }
         }
         compare_decode(c.what, name,
                 run_decode(cpu,   ref_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16, c.closed_begin, c.closed_end, seed),

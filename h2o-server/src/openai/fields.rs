@@ -374,7 +374,8 @@ fn h2o_decode_budget(c: &Common, info: &EngineInfo) -> Result<Option<u32>, ApiEr
         Some("full") if c.h2o_decode_budget.is_some() => {
             return Err(ApiError::field(
                 "h2o_decode_budget",
-                "h2o_decode_budget is the budget of sparse decode: leave it out with                  \"h2o_decode\": \"full\", or ask for \"sparse\""
+                "h2o_decode_budget is the budget of sparse decode: leave it out with \"h2o_decode\": \
+                 \"full\", or ask for \"sparse\""
                     .to_string(),
             ));
         }
