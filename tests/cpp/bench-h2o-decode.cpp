@@ -1,9 +1,11 @@
 // The time of one GGML_OP_H2O_DECODE call (one decode step of one layer) on every GPU backend: a sketched cache of
 // N positions with random F16 K/V, one query token at the end, the sparse budget against a budget that covers the
-// context (the same op then reads every position: full attention through the same kernels). Medians of 20 calls,
-// wall time around ggml_backend_graph_compute, which waits for the GPU.
+// context (the same op then reads every position: full attention through the same kernels), and against stock
+// attention without flash attention as llama.cpp builds it then (KQ = K*Q, soft_max_ext with the mask, V^T*KQ, V
+// stored transposed). Medians of 20 calls, wall time around ggml_backend_graph_compute, which waits for the GPU.
 //
 //   bench-h2o-decode            # SmolLM2-135M's and Llama-3-8B's heads at 8K, 32K and 128K positions
+//   bench-h2o-decode cpu        # the same with the CPU backend too
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -34,7 +37,7 @@ double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, 
     ggml_tensor * k      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, sh.D, sh.n_head_kv, n_kv, 1);
     ggml_tensor * v      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, sh.D, sh.n_head_kv, n_kv, 1);
     ggml_tensor * summ   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, R*B, sh.n_head_kv, n_kv/B, 1);
-    ggml_tensor * summ_n = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1 + R*sh.n_head_kv, 1);
+    ggml_tensor * summ_n = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 3 + R*sh.n_head_kv, 1);
     ggml_tensor * q      = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, 1, 1);
     ggml_tensor * mask   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, 1);
     ggml_tensor * out    = ggml_h2o_decode(ctx, q, k, v, mask, summ, summ_n, 4, 256, n_budget, 1.0f/std::sqrt((float) sh.D));
@@ -56,6 +59,8 @@ double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, 
     ggml_backend_tensor_set(mask, mv.data(), 0, ggml_nbytes(mask));
     ggml_backend_tensor_memset(summ,   0x00, 0, ggml_nbytes(summ));
     ggml_backend_tensor_memset(summ_n, 0x00, 0, ggml_nbytes(summ_n));
+    const int32_t own[2] = { -1, -1 }; // the stream's own sink and budget: the op's
+    ggml_backend_tensor_set(summ_n, own, (summ_n->ne[0] - 2)*sizeof(int32_t), sizeof(own));
 
     ggml_backend_graph_compute(backend, gf); // sketches the cache
     const int n_rep = 20;
@@ -72,9 +77,58 @@ double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, 
     return us[n_rep/2];
 }
 
+// µs per call of stock attention over the same shapes: the median of n_rep calls after a first
+double time_stock(ggml_backend_t backend, const head_shape & sh, int64_t n_kv) {
+    ggml_init_params ip = { 16*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * k    = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, sh.D, sh.n_head_kv, n_kv);
+    ggml_tensor * vt   = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_kv, sh.D, sh.n_head_kv);
+    ggml_tensor * q    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, 1);
+    ggml_tensor * mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, 1);
+    ggml_tensor * kq   = ggml_mul_mat(ctx, ggml_permute(ctx, k, 0, 2, 1, 3), ggml_permute(ctx, q, 0, 2, 1, 3));
+    kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f/std::sqrt((float) sh.D), 0.0f);
+    ggml_tensor * out  = ggml_mul_mat(ctx, vt, kq);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    if (!ggml_backend_supports_op(backend, kq) || !ggml_backend_supports_op(backend, out)) {
+        ggml_free(ctx);
+        return NAN;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<ggml_fp16_t> kv((size_t) ggml_nelements(k));
+    for (auto & x : kv) { x = ggml_fp32_to_fp16(nd(rng)); }
+    ggml_backend_tensor_set(k, kv.data(), 0, ggml_nbytes(k));
+    for (auto & x : kv) { x = ggml_fp32_to_fp16(nd(rng)); }
+    ggml_backend_tensor_set(vt, kv.data(), 0, ggml_nbytes(vt));
+    std::vector<float> qv((size_t) ggml_nelements(q));
+    for (auto & x : qv) { x = nd(rng); }
+    ggml_backend_tensor_set(q, qv.data(), 0, ggml_nbytes(q));
+    std::vector<ggml_fp16_t> mv((size_t) n_kv, ggml_fp32_to_fp16(0.0f));
+    ggml_backend_tensor_set(mask, mv.data(), 0, ggml_nbytes(mask));
+
+    ggml_backend_graph_compute(backend, gf);
+    const int n_rep = 20;
+    std::vector<double> us;
+    for (int i = 0; i < n_rep; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        ggml_backend_graph_compute(backend, gf);
+        ggml_backend_synchronize(backend);
+        us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(us.begin(), us.end());
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    return us[n_rep/2];
+}
+
 } // namespace
 
-int main() {
+int main(int argc, char ** argv) {
+    // `cpu`: the CPU backend too (its threads: the machine's cores), for a comparison on a machine without a GPU
+    const bool with_cpu = argc > 1 && std::string(argv[1]) == "cpu";
     ggml_backend_load_all();
     const head_shape shapes[] = {
         { "SmolLM2-135M (D 64, 9/3 heads)",   64,  9, 3 },
@@ -82,28 +136,33 @@ int main() {
     };
     const int64_t lengths[] = { 8192, 32768, 131072 };
     const int32_t budget = 1024;
-    int n_gpu = 0;
+    int n_timed = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
+        const bool gpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU;
+        if (!gpu && !(with_cpu && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU)) {
             continue;
         }
-        ++n_gpu;
-        ggml_backend_t gpu = ggml_backend_dev_init(dev, nullptr);
+        ++n_timed;
+        ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
         std::printf("%s (%s): one decode step of one layer, µs, medians of 20; sinks 16, window 256\n",
                 ggml_backend_dev_name(dev), ggml_backend_dev_description(dev));
-        std::printf("| heads | positions | budget %d | budget = positions (every position) | ratio |\n|---|---:|---:|---:|---:|\n", budget);
+        std::printf("| heads | positions | budget %d | budget = positions (every position) | stock attention | stock / budget %d |\n"
+                "|---|---:|---:|---:|---:|---:|\n", budget, budget);
         for (const auto & sh : shapes) {
             for (const int64_t n : lengths) {
-                const double sparse = time_decode(gpu, sh, n, budget);
-                const double full   = time_decode(gpu, sh, n, (int32_t) n);
-                std::printf("| %s | %lld | %.1f | %.1f | %.2fx |\n", sh.name, (long long) n, sparse, full, full/sparse);
+                const double sparse = time_decode(backend, sh, n, budget);
+                const double full   = time_decode(backend, sh, n, (int32_t) n);
+                const double stock  = time_stock(backend, sh, n);
+                std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.2fx |\n", sh.name, (long long) n, sparse, full, stock,
+                        stock/sparse);
+                std::fflush(stdout);
             }
         }
-        ggml_backend_free(gpu);
+        ggml_backend_free(backend);
     }
-    if (n_gpu == 0) {
-        std::printf("no GPU backend in this build\n");
+    if (n_timed == 0) {
+        std::printf("no GPU backend in this build (`bench-h2o-decode cpu` times the CPU)\n");
     }
     return 0;
 }

@@ -78,6 +78,9 @@ struct state {
 
     // F16 values into a tensor of any type ggml quantizes to
     static void set_as(ggml_tensor * t, const std::vector<ggml_fp16_t> & values) {
+        // every element from the values: a shorter vector would leave a stream to whatever the heap holds past it,
+        // a different garbage for the reference and the backend under test
+        GGML_ASSERT((int64_t) values.size() >= ggml_nelements(t));
         if (t->type == GGML_TYPE_F16) {
             ggml_backend_tensor_set(t, values.data(), 0, ggml_nbytes(t));
             return;
@@ -516,15 +519,15 @@ bool compare_decode(const char * what, const char * name, const decode_result & 
     return true;
 }
 
-// Eight decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
+// Nine decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
 // which chooses the channels and sketches it; two tokens at once; a step that sketches four more blocks), two streams
 // with a soft-cap and learned sinks under an F16 mask, three streams with sinks and budgets of their own (patch 0030: a
 // budget of 0, the op's, one that covers the stream), q8_0 K/V with closed cells among the candidates, BF16 K with q4_0
-// V and two sink blocks, and a budget that covers the context (full attention).
+// V and two sink blocks, a budget that covers the context (full attention), and one that covers 6,000 positions.
 void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh, float max_v, bool exact) {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
-    std::vector<ggml_fp16_t> kv_k((size_t) 2*sh.kv_size*sh.n_head_kv*sh.D);
+    std::vector<ggml_fp16_t> kv_k((size_t) 3*sh.kv_size*sh.n_head_kv*sh.D); // up to three streams
     std::vector<ggml_fp16_t> kv_v(kv_k.size());
     for (auto & x : kv_k) { x = ggml_fp32_to_fp16(nd(rng)); }
     for (auto & x : kv_v) { x = ggml_fp32_to_fp16(nd(rng)); }
@@ -591,6 +594,22 @@ void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * nam
                 run_decode(other, got_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16, c.closed_begin, c.closed_end, seed),
                 max_v, exact);
         ++seed;
+    }
+
+    // a long context whose budget covers it: the CUDA attention (patch 0032) then cuts the list into parts of several
+    // chunks, and the closed cells close whole chunks between open ones
+    {
+        shape lsh = sh;
+        lsh.kv_size = 6144;
+        std::vector<ggml_fp16_t> long_k((size_t) lsh.kv_size*lsh.n_head_kv*lsh.D);
+        std::vector<ggml_fp16_t> long_v(long_k.size());
+        for (auto & x : long_k) { x = ggml_fp32_to_fp16(nd(rng)); }
+        for (auto & x : long_v) { x = ggml_fp32_to_fp16(nd(rng)); }
+        decode_state ref_st(cpu,   lsh, 1, long_k, long_v, GGML_TYPE_F16, GGML_TYPE_F16);
+        decode_state got_st(other, lsh, 1, long_k, long_v, GGML_TYPE_F16, GGML_TYPE_F16);
+        compare_decode("decode, 6000 positions, a budget that covers them, 200 closed", name,
+                run_decode(cpu,   ref_st, lsh, { { 6000 } }, 4, 64, 6144, {}, false, 3000, 3200, seed),
+                run_decode(other, got_st, lsh, { { 6000 } }, 4, 64, 6144, {}, false, 3000, 3200, seed), max_v, exact);
     }
 }
 
