@@ -2,21 +2,27 @@
 // N positions with random F16 K/V, one query token at the end, the sparse budget against a budget that covers the
 // context (the same op then reads every position: full attention through the same kernels), and against stock
 // attention without flash attention as llama.cpp builds it then (KQ = K*Q, soft_max_ext with the mask, V^T*KQ, V
-// stored transposed). Medians of 20 calls, wall time around ggml_backend_graph_compute, which waits for the GPU.
+// stored transposed). Medians of 20 calls (or as many as asked), wall time around ggml_backend_graph_compute, which
+// waits for the device.
 //
 //   bench-h2o-decode            # SmolLM2-135M's and Llama-3-8B's heads at 8K, 32K and 128K positions
 //   bench-h2o-decode cpu        # the same with the CPU backend too
+//   bench-h2o-decode cpu 8192   # one length
+//   bench-h2o-decode cpu 8192 500  # medians of 500 calls (default 20)
 
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
+#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -29,7 +35,7 @@ struct head_shape {
 };
 
 // µs per call: the median of n_rep calls after one that sketches the cache
-double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, int32_t n_budget) {
+double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, int32_t n_budget, int n_rep) {
     const int64_t B = GGML_H2O_DECODE_BLOCK;
     const int64_t R = sh.D/4;
     ggml_init_params ip = { 16*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
@@ -63,7 +69,6 @@ double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, 
     ggml_backend_tensor_set(summ_n, own, (summ_n->ne[0] - 2)*sizeof(int32_t), sizeof(own));
 
     ggml_backend_graph_compute(backend, gf); // sketches the cache
-    const int n_rep = 20;
     std::vector<double> us;
     for (int i = 0; i < n_rep; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -78,7 +83,7 @@ double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, 
 }
 
 // µs per call of stock attention over the same shapes: the median of n_rep calls after a first
-double time_stock(ggml_backend_t backend, const head_shape & sh, int64_t n_kv) {
+double time_stock(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, int n_rep) {
     ggml_init_params ip = { 16*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * k    = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, sh.D, sh.n_head_kv, n_kv);
@@ -110,7 +115,6 @@ double time_stock(ggml_backend_t backend, const head_shape & sh, int64_t n_kv) {
     ggml_backend_tensor_set(mask, mv.data(), 0, ggml_nbytes(mask));
 
     ggml_backend_graph_compute(backend, gf);
-    const int n_rep = 20;
     std::vector<double> us;
     for (int i = 0; i < n_rep; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -134,7 +138,12 @@ int main(int argc, char ** argv) {
         { "SmolLM2-135M (D 64, 9/3 heads)",   64,  9, 3 },
         { "Llama-3-8B (D 128, 32/8 heads)",  128, 32, 8 },
     };
-    const int64_t lengths[] = { 8192, 32768, 131072 };
+    // a third argument: one length instead of the three; a fourth: calls per median
+    std::vector<int64_t> lengths = { 8192, 32768, 131072 };
+    if (argc > 2) {
+        lengths = { std::atoll(argv[2]) };
+    }
+    const int n_rep = argc > 3 ? std::max(1, std::atoi(argv[3])) : 20;
     const int32_t budget = 1024;
     int n_timed = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
@@ -145,15 +154,18 @@ int main(int argc, char ** argv) {
         }
         ++n_timed;
         ggml_backend_t backend = ggml_backend_dev_init(dev, nullptr);
-        std::printf("%s (%s): one decode step of one layer, µs, medians of 20; sinks 16, window 256\n",
-                ggml_backend_dev_name(dev), ggml_backend_dev_description(dev));
+        if (!gpu) {
+            ggml_backend_cpu_set_n_threads(backend, (int) std::thread::hardware_concurrency());
+        }
+        std::printf("%s (%s): one decode step of one layer, µs, medians of %d; sinks 16, window 256\n",
+                ggml_backend_dev_name(dev), ggml_backend_dev_description(dev), n_rep);
         std::printf("| heads | positions | budget %d | budget = positions (every position) | stock attention | stock / budget %d |\n"
                 "|---|---:|---:|---:|---:|---:|\n", budget, budget);
         for (const auto & sh : shapes) {
             for (const int64_t n : lengths) {
-                const double sparse = time_decode(backend, sh, n, budget);
-                const double full   = time_decode(backend, sh, n, (int32_t) n);
-                const double stock  = time_stock(backend, sh, n);
+                const double sparse = time_decode(backend, sh, n, budget, n_rep);
+                const double full   = time_decode(backend, sh, n, (int32_t) n, n_rep);
+                const double stock  = time_stock(backend, sh, n, n_rep);
                 std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.2fx |\n", sh.name, (long long) n, sparse, full, stock,
                         stock/sparse);
                 std::fflush(stdout);
