@@ -34,7 +34,40 @@ struct head_shape {
     int64_t n_head_kv;
 };
 
-// µs per call: the median of n_rep calls after one that sketches the cache
+// random normal K (or V) and Q, F16 or F32, and an all-open F16 mask
+void fill_normal(ggml_tensor * t, std::mt19937 & rng) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    if (t->type == GGML_TYPE_F16) {
+        std::vector<ggml_fp16_t> x((size_t) ggml_nelements(t));
+        for (auto & e : x) { e = ggml_fp32_to_fp16(nd(rng)); }
+        ggml_backend_tensor_set(t, x.data(), 0, ggml_nbytes(t));
+    } else {
+        std::vector<float> x((size_t) ggml_nelements(t));
+        for (auto & e : x) { e = nd(rng); }
+        ggml_backend_tensor_set(t, x.data(), 0, ggml_nbytes(t));
+    }
+}
+
+void set_open(ggml_tensor * mask) {
+    std::vector<ggml_fp16_t> x((size_t) ggml_nelements(mask), ggml_fp32_to_fp16(0.0f));
+    ggml_backend_tensor_set(mask, x.data(), 0, ggml_nbytes(mask));
+}
+
+// µs per call of gf: the median of n_rep calls after a first (which, for the decode op, sketches the cache)
+double median_us(ggml_backend_t backend, ggml_cgraph * gf, int n_rep) {
+    ggml_backend_graph_compute(backend, gf);
+    std::vector<double> us;
+    for (int i = 0; i < n_rep; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        ggml_backend_graph_compute(backend, gf);
+        ggml_backend_synchronize(backend);
+        us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(us.begin(), us.end());
+    return us[n_rep/2];
+}
+
+// µs per call of the decode op
 double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, int32_t n_budget, int n_rep) {
     const int64_t B = GGML_H2O_DECODE_BLOCK;
     const int64_t R = sh.D/4;
@@ -52,37 +85,22 @@ double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, 
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
 
     std::mt19937 rng(1);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    std::vector<ggml_fp16_t> kv((size_t) ggml_nelements(k));
-    for (auto & x : kv) { x = ggml_fp32_to_fp16(nd(rng)); }
-    ggml_backend_tensor_set(k, kv.data(), 0, ggml_nbytes(k));
-    for (auto & x : kv) { x = ggml_fp32_to_fp16(nd(rng)); }
-    ggml_backend_tensor_set(v, kv.data(), 0, ggml_nbytes(v));
-    std::vector<float> qv((size_t) ggml_nelements(q));
-    for (auto & x : qv) { x = nd(rng); }
-    ggml_backend_tensor_set(q, qv.data(), 0, ggml_nbytes(q));
-    std::vector<ggml_fp16_t> mv((size_t) n_kv, ggml_fp32_to_fp16(0.0f)); // every cell open
-    ggml_backend_tensor_set(mask, mv.data(), 0, ggml_nbytes(mask));
+    fill_normal(k, rng);
+    fill_normal(v, rng);
+    fill_normal(q, rng);
+    set_open(mask);
     ggml_backend_tensor_memset(summ,   0x00, 0, ggml_nbytes(summ));
     ggml_backend_tensor_memset(summ_n, 0x00, 0, ggml_nbytes(summ_n));
     const int32_t own[2] = { -1, -1 }; // the stream's own sink and budget: the op's
     ggml_backend_tensor_set(summ_n, own, (summ_n->ne[0] - 2)*sizeof(int32_t), sizeof(own));
 
-    ggml_backend_graph_compute(backend, gf); // sketches the cache
-    std::vector<double> us;
-    for (int i = 0; i < n_rep; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        ggml_backend_graph_compute(backend, gf);
-        ggml_backend_synchronize(backend);
-        us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(us.begin(), us.end());
+    const double us = median_us(backend, gf, n_rep);
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
-    return us[n_rep/2];
+    return us;
 }
 
-// µs per call of stock attention over the same shapes: the median of n_rep calls after a first
+// µs per call of stock attention over the same shapes
 double time_stock(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, int n_rep) {
     ggml_init_params ip = { 16*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
     ggml_context * ctx = ggml_init(ip);
@@ -102,30 +120,15 @@ double time_stock(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, i
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
 
     std::mt19937 rng(1);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    std::vector<ggml_fp16_t> kv((size_t) ggml_nelements(k));
-    for (auto & x : kv) { x = ggml_fp32_to_fp16(nd(rng)); }
-    ggml_backend_tensor_set(k, kv.data(), 0, ggml_nbytes(k));
-    for (auto & x : kv) { x = ggml_fp32_to_fp16(nd(rng)); }
-    ggml_backend_tensor_set(vt, kv.data(), 0, ggml_nbytes(vt));
-    std::vector<float> qv((size_t) ggml_nelements(q));
-    for (auto & x : qv) { x = nd(rng); }
-    ggml_backend_tensor_set(q, qv.data(), 0, ggml_nbytes(q));
-    std::vector<ggml_fp16_t> mv((size_t) n_kv, ggml_fp32_to_fp16(0.0f));
-    ggml_backend_tensor_set(mask, mv.data(), 0, ggml_nbytes(mask));
+    fill_normal(k, rng);
+    fill_normal(vt, rng);
+    fill_normal(q, rng);
+    set_open(mask);
 
-    ggml_backend_graph_compute(backend, gf);
-    std::vector<double> us;
-    for (int i = 0; i < n_rep; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        ggml_backend_graph_compute(backend, gf);
-        ggml_backend_synchronize(backend);
-        us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(us.begin(), us.end());
+    const double us = median_us(backend, gf, n_rep);
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
-    return us[n_rep/2];
+    return us;
 }
 
 } // namespace
