@@ -64,6 +64,12 @@ pub struct DecodeCapture {
     pub local: u32,
     pub budget: u32,
     pub scale: f32,
+    /// The share of the candidates' estimated attention a step's choice holds (1: the budget;
+    /// `ggml_h2o_decode_set_coverage`).
+    pub coverage: f32,
+    /// The positions a query head read in the step, the mean over the KV heads, as the op
+    /// counted them (`ggml_h2o_decode_set_keys_read`; `None` where the graph asked for none).
+    pub keys_read: Option<f32>,
     /// As [`AttentionCapture::softcap`] and [`AttentionCapture::sinks`].
     pub softcap: f32,
     pub sinks: Vec<f32>,
@@ -260,6 +266,20 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
     }
     // SAFETY: the row lies inside the tensor (checked above).
     unsafe { sys::ggml_backend_tensor_get(state, sketch.as_mut_ptr().cast(), 0, sketch.len() * 4) };
+    // the positions read, F32 [n_stream] (one stream here), where the graph asked for them
+    let keys_read = if t.src[7].is_null() {
+        None
+    } else {
+        // SAFETY: a computed node's sources are valid tensors.
+        let keys = unsafe { &*t.src[7] };
+        if keys.type_ != sys::GGML_TYPE_F32 || keys.ne[0] < 1 {
+            return Err(format!("layer {layer}: unexpected count of positions read"));
+        }
+        let mut n = 0.0_f32;
+        // SAFETY: one F32 value inside the tensor (checked above).
+        unsafe { sys::ggml_backend_tensor_get(keys, (&raw mut n).cast(), 0, 4) };
+        Some(n)
+    };
     Ok(DecodeCapture {
         layer,
         n: n as u32,
@@ -273,6 +293,8 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
             _ => p[2] as u32,
         },
         scale: f32::from_bits(p[6] as u32),
+        coverage: f32::from_bits(p[7] as u32),
+        keys_read,
         softcap: f32::from_bits(p[12] as u32),
         sinks,
         n_head: n_head as u32,

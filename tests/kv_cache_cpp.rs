@@ -71,7 +71,7 @@ fn h2o_attention_backends_agree() {
         stdout.matches("coverage selection with H = ").count()
     };
     assert_eq!(n_compared, 24 * n_backends, "{stdout}");
-    assert_eq!(n_decode, 9 * n_backends, "{stdout}");
+    assert_eq!(n_decode, 10 * n_backends, "{stdout}");
     if skipped {
         assert!(stdout.contains("CPU, 3 threads"), "{stdout}");
     }

@@ -403,3 +403,130 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
     );
     assert!(worst < 1e-4, "max |Δ out| {worst}");
 }
+
+#[test]
+fn a_step_following_coverage_takes_what_the_reference_takes() {
+    // 1,000 prompt tokens, a budget of 512 positions capped further by coverage 0.7: each
+    // layer's op, captured, against reference::decode_step, which counts the candidates the
+    // coverage takes from its own f64 gaps (buckets of the gaps' leading bits, integer weights):
+    // the outputs agree where neither the ranking nor the count is a near tie, and the op's own
+    // count of the positions it read is the reference's
+    let m = common::model();
+    let mut cfg = capturing(512);
+    if let Some(h2o) = cfg.h2o.as_mut() {
+        h2o.decode_coverage = 0.7;
+    }
+    let mut s = Session::new(m, cfg).unwrap();
+    let p = prompt(1001);
+    s.evaluate(&p[..1000]).unwrap();
+    s.take_attention_captures().unwrap();
+    s.evaluate(&p[1000..]).unwrap();
+    let steps = s.take_decode_captures().unwrap();
+    assert_eq!(steps.len() as u32, m.n_layer(), "one capture per layer");
+    let (mut compared, mut left_out, mut worst) = (0, 0, 0.0_f64);
+    let (mut fewer, mut n_plans, mut counts_compared) = (0, 0, 0);
+    for c in &steps {
+        assert_eq!((c.budget, c.coverage), (512, 0.7));
+        let (plans, out) = h2o_llama::reference::decode_step(c);
+        let dv = c.head_dim_v as usize;
+        let group = (c.n_head / c.n_head_kv) as usize;
+        for plan in &plans {
+            assert!(plan.chosen.len() <= 512);
+            fewer += usize::from(plan.chosen.len() < 512);
+            n_plans += 1;
+        }
+        // the op's count, the mean over the KV heads, where no head's count is a near tie
+        if plans.iter().all(|p| p.coverage_margin >= 2e-5) {
+            let reference: usize = plans.iter().map(|p| p.positions(c.n as usize).len()).sum();
+            let engine = c.keys_read.expect("the graph asks for the positions read");
+            assert_eq!(
+                engine,
+                (reference as f64 / plans.len() as f64) as f32,
+                "layer {}",
+                c.layer
+            );
+            counts_compared += 1;
+        }
+        for (kvh, plan) in plans.iter().enumerate() {
+            if plan.margin < 1e-4 || plan.coverage_margin < 2e-5 {
+                left_out += 1;
+                continue;
+            }
+            compared += 1;
+            let heads = kvh * group * dv..(kvh + 1) * group * dv;
+            for (&engine, &reference) in c.output[heads.clone()].iter().zip(&out[heads]) {
+                worst = worst.max((f64::from(engine) - reference).abs());
+            }
+        }
+    }
+    eprintln!(
+        "{compared} KV heads compared, {left_out} near ties left out, {fewer} took fewer than the \
+         budget, {counts_compared} layers' counts compared: max |Δ out| {worst:.2e}"
+    );
+    assert!(
+        compared * 10 >= (compared + left_out) * 8,
+        "too many near ties"
+    );
+    assert!(
+        counts_compared * 10 >= steps.len() * 7,
+        "too few counts compared"
+    );
+    assert!(worst < 1e-4, "max |Δ out| {worst}");
+    // coverage 0.7 is a real cap on this text: most heads take fewer than the budget
+    assert!(fewer * 2 > n_plans, "{fewer} of {n_plans} took fewer");
+}
+
+#[test]
+fn a_lower_coverage_reads_fewer_keys_and_the_session_reports_them() {
+    // the same prompt and steps at coverage 1, 0.9 and 0.6 (budget 512): the keys a step read,
+    // as the session reports them, fall with the coverage; at 1 they are what the budget reads
+    let m = common::model();
+    let p = prompt(1201);
+    let keys = |coverage: f32| {
+        let mut cfg = config(512);
+        if let Some(h2o) = cfg.h2o.as_mut() {
+            h2o.decode_coverage = coverage;
+        }
+        let mut s = Session::new(m, cfg).unwrap();
+        s.evaluate(&p[..1200]).unwrap();
+        let mut next = common::argmax(s.logits().unwrap()) as Token;
+        for _ in 0..4 {
+            s.evaluate(&[next]).unwrap();
+            next = common::argmax(s.logits().unwrap()) as Token;
+        }
+        s.decode_keys_per_step(1200)
+    };
+    let (all, most, some) = (keys(1.0), keys(0.9), keys(0.6));
+    eprintln!("keys a step: coverage 1 {all:.1}, 0.9 {most:.1}, 0.6 {some:.1}");
+    // coverage 1: 16 sinks, 512 chosen, the window from 1136 (a block boundary at or below
+    // n - 64) to n, over steps seeing 1201 ..= 1204 positions
+    assert_eq!(all, 16.0 + 512.0 + (1201.0 + 1204.0) / 2.0 - 1136.0);
+    assert!(most < all && some < most, "{all} {most} {some}");
+    assert!(
+        some > 16.0 + (1201.0 - 1136.0),
+        "at least the sinks and the window"
+    );
+}
+
+#[test]
+fn bad_coverages_are_refused_by_name() {
+    let m = common::model();
+    for (budget, coverage, names) in [
+        (512, 0.0, "must be in (0, 1]"),
+        (512, 1.5, "must be in (0, 1]"),
+        (512, f32::NAN, "must be in (0, 1]"),
+        (0, 0.9, "needs sparse decode"),
+    ] {
+        let mut cfg = config(budget);
+        if let Some(h2o) = cfg.h2o.as_mut() {
+            h2o.decode_coverage = coverage;
+        }
+        let e = Session::new(m, cfg).expect_err("a bad coverage");
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+        let message = e.to_string();
+        assert!(
+            message.contains(names) && message.contains("--h2o-decode-coverage"),
+            "{message}"
+        );
+    }
+}

@@ -190,6 +190,15 @@ struct H2oPolicy {
     /// window (at most -c)
     #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
     decode_budget: u32,
+    /// H2O sparse decode: of its budget, a step takes only the fewest positions whose estimated
+    /// attention holds this share of all those between the sinks and the window, in (0, 1]
+    /// (1: the whole budget; the budget is then a cap)
+    #[arg(
+        long = "h2o-decode-coverage",
+        value_name = "GAMMA",
+        default_value_t = 1.0
+    )]
+    decode_coverage: f32,
 }
 
 impl H2oPolicy {
@@ -206,6 +215,7 @@ impl H2oPolicy {
         } else {
             0
         };
+        h2o.decode_coverage = self.decode_coverage;
         h2o
     }
 
@@ -225,6 +235,10 @@ impl H2oPolicy {
         };
         a.extend(["--h2o-decode".into(), mode.into()]);
         a.extend(["--h2o-decode-budget".into(), self.decode_budget.to_string()]);
+        a.extend([
+            "--h2o-decode-coverage".into(),
+            self.decode_coverage.to_string(),
+        ]);
         a
     }
 }
@@ -594,7 +608,7 @@ fn report(
             prefill_ms: t.prefill.as_secs_f64() * 1e3,
             prefill_tokens_per_second: t.prefill_tokens_per_second(),
             decode_tokens_per_second: t.decode_tokens_per_second(),
-            decode_keys_per_step: decode_keys_per_step(session, cached + t.prompt_tokens),
+            decode_keys_per_step: session.decode_keys_per_step(cached + t.prompt_tokens),
             stopped_at_eog: generation.stopped_at_eog,
             peak_rss_bytes: peak_rss_bytes(),
             kv_cache_bytes: model.kv_cache_bytes(
@@ -632,19 +646,9 @@ fn report(
         t.decode_tokens_per_second(),
         t.generated_tokens,
         if generation.stopped_at_eog { ", stopped at end of generation" } else { "" },
-        decode_keys_per_step(session, cached + t.prompt_tokens)
+        session.decode_keys_per_step(cached + t.prompt_tokens)
     );
     Ok(())
-}
-
-/// The mean of the keys each decode step after a prompt of `n_prompt` tokens read, per head
-/// (`H2oConfig::decode_keys`); 0 when nothing was decoded.
-fn decode_keys_per_step(session: &Session, n_prompt: usize) -> f64 {
-    let first = u32::try_from(n_prompt)
-        .unwrap_or(u32::MAX)
-        .saturating_add(1);
-    let h2o = session.config().h2o.unwrap_or_default();
-    h2o.mean_decode_keys(first, session.n_past())
 }
 
 /// Loads `path` into the fresh `session` when its tokens begin `prompt`; returns how many prompt

@@ -170,6 +170,15 @@ struct Cli {
     /// H2O sparse decode: positions a step chooses (at most a slot's context)
     #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
     h2o_decode_budget: u32,
+    /// H2O sparse decode: of its budget, a step takes only the fewest positions whose estimated
+    /// attention holds this share of all those between the sinks and the window, in (0, 1] (1:
+    /// the whole budget); the same for every slot
+    #[arg(
+        long = "h2o-decode-coverage",
+        value_name = "GAMMA",
+        default_value_t = 1.0
+    )]
+    h2o_decode_coverage: f32,
     /// The model's name in /v1/models and in answers; several, comma-separated, are aliases
     /// [default: the model's file name]
     #[arg(short = 'a', long, value_name = "NAME")]
@@ -335,6 +344,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     if cli.h2o_decode == "sparse" {
         h2o.decode_budget = cli.h2o_decode_budget;
     }
+    h2o.decode_coverage = cli.h2o_decode_coverage;
     let h2o = h2o.is_enabled().then_some(h2o);
     let jinja_template = match (&cli.chat_template_file, &cli.chat_template) {
         (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {

@@ -713,6 +713,22 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     assert_eq!(again, keys, "{v}");
     drop(server);
 
+    // a budget that follows coverage: a step takes only what holds a tenth of the estimated
+    // attention, which llama.cpp counts (fewer than the budget of 256, more than the sinks and
+    // the window alone)
+    let mut args = SHAPE.to_vec();
+    args.extend(["--h2o-decode", "sparse", "--h2o-decode-budget", "256"]);
+    args.extend(["--h2o-decode-coverage", "0.1"]);
+    let server = Server::start(&args);
+    let (status, v) = post(&server, "/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    let covering = v["timings"]["h2o_decode_keys_per_step"].as_f64().unwrap();
+    assert!(
+        covering < own_keys && covering > 16.0 + 16.0,
+        "coverage 0.1 of 256: {covering} keys a step (budget 256: {own_keys}): {v}"
+    );
+    drop(server);
+
     // full-attention decode reads every cached position
     let server = Server::start(SHAPE);
     let (_, v) = post(&server, "/completion", &body);
@@ -731,4 +747,7 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     let mut args = SHAPE.to_vec();
     args.extend(["--h2o-decode", "sparse", "--h2o-decode-budget", "4096"]);
     refused_at_start(&args, "--h2o-decode-budget");
+    let mut args = SHAPE.to_vec();
+    args.extend(["--h2o-decode", "sparse", "--h2o-decode-coverage", "0"]);
+    refused_at_start(&args, "--h2o-decode-coverage");
 }

@@ -8,6 +8,11 @@
 //! least over the query heads of its KV head; the estimate is the product of the query and the
 //! key on the KV head's sketch channels, the quarter of the channels whose keys held the most
 //! energy when the first block was sketched.
+//!
+//! With a coverage γ below 1 (patch 0035), a step takes, of its budget, only the candidates of
+//! the least-gap buckets whose weight reaches γ of all candidates': a candidate's bucket is the
+//! leading 11 bits of its gap's F32 pattern, and weighs `exp(-its least gap)` in integer units
+//! of 2^-24, so that every backend counts the same.
 
 use super::softmax::{apply_sink, dense_attention, Logits, Matrix};
 use crate::capture::DecodeCapture;
@@ -27,6 +32,11 @@ pub struct DecodePlan {
     /// (`f64::INFINITY` when nothing was left out): near 0, the engine's F32 gaps may rank the
     /// two the other way.
     pub margin: f64,
+    /// With coverage below 1: how close the count it takes came to another (`f64::INFINITY`
+    /// otherwise): the least distance of a gap counted to its bucket's edges, and of the
+    /// weight needed to the weight of the buckets either side of the cut, relative to it. Near
+    /// 0, the engine's F32 gaps may count one bucket more or less.
+    pub coverage_margin: f64,
 }
 
 impl DecodePlan {
@@ -72,9 +82,71 @@ pub fn strongest_channels(e: &[f64], keep: usize) -> Vec<usize> {
     chosen
 }
 
+/// The first-level bucket of a gap: the leading 11 bits of its F32 pattern (a negative gap's
+/// taken as 0), an eighth of an octave.
+#[must_use]
+pub fn gap_bucket(gap: f64) -> usize {
+    let bits = (gap as f32).to_bits();
+    let bits = if bits >> 31 == 1 { 0 } else { bits };
+    (bits >> 20) as usize & 2047
+}
+
+/// What a candidate of bucket `b` weighs: `exp(-the bucket's least gap)` in units of 2^-24
+/// (0 for infinite gaps and beyond), as `h2o_decode_bucket_weight`.
+#[must_use]
+pub fn bucket_weight(b: usize) -> u64 {
+    let bits = (b as u32) << 20;
+    if bits >= 0x7f80_0000 {
+        return 0;
+    }
+    ((-f64::from(f32::from_bits(bits))).exp() * 16_777_216.0 + 0.5) as u64
+}
+
+/// How many of the candidates with gaps `gap` coverage `coverage` takes: whole buckets from the
+/// least gaps until their weight reaches `coverage` of all candidates' (all of them when none
+/// weighs anything), and its margin (see [`DecodePlan::coverage_margin`]).
+#[must_use]
+pub fn coverage_take(gap: &[f64], coverage: f32) -> (usize, f64) {
+    let mut count = [0_u64; 2048];
+    for &g in gap {
+        count[gap_bucket(g)] += 1;
+    }
+    let weight: Vec<u64> = (0..2048).map(|b| count[b] * bucket_weight(b)).collect();
+    let total: u64 = weight.iter().sum();
+    if total == 0 {
+        return (gap.len(), f64::INFINITY);
+    }
+    let need = (f64::from(coverage) * total as f64).ceil() as u64;
+    let (mut held, mut taken, mut cut) = (0_u64, 0_u64, 0);
+    for b in 0..2048 {
+        held += weight[b];
+        taken += count[b];
+        if held >= need {
+            cut = b;
+            break;
+        }
+    }
+    // the weight needed against the weight held with one bucket less and with the cut's
+    let before = held - weight[cut];
+    let slack = ((need - before).min(held - need)) as f64 / need as f64;
+    // the gaps of the buckets up to the one after the cut against their buckets' edges (a gap
+    // of 0, a head's best estimate, is 0 in any arithmetic)
+    let edge = |b: usize| f64::from(f32::from_bits((b as u32) << 20));
+    let near_edge = gap
+        .iter()
+        .filter(|&&g| g > 0.0 && gap_bucket(g) <= cut + 1)
+        .map(|&g| {
+            let b = gap_bucket(g);
+            (g - edge(b)).abs().min((edge(b + 1) - g).abs())
+        })
+        .fold(f64::INFINITY, f64::min);
+    (taken as usize, slack.min(near_edge))
+}
+
 /// What the query heads `queries` (each `d` values, scaled by `scale`) of one KV head read,
 /// whose keys are `key(pos)` for positions `0 .. n`, with `channels` as its sketch and the
-/// first `sketched` blocks sketched.
+/// first `sketched` blocks sketched; with `coverage` below 1, of the budget only what
+/// [`coverage_take`] takes.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_plan<'k>(
     queries: &[&[f32]],
@@ -84,6 +156,7 @@ pub fn decode_plan<'k>(
     sink: usize,
     local: usize,
     budget: usize,
+    coverage: f32,
     channels: &[usize],
     sketched: usize,
 ) -> DecodePlan {
@@ -92,12 +165,13 @@ pub fn decode_plan<'k>(
     let sink_blocks = sink.div_ceil(b).max(1).min(n_full);
     let recent_block = (n.saturating_sub(local) / b).min(n_full).max(sink_blocks);
     let candidates: Vec<usize> = (sink_blocks * b..recent_block * b).collect();
-    let take = budget.min(candidates.len());
+    let mut take = budget.min(candidates.len());
     let mut plan = DecodePlan {
         sink_end: sink_blocks * b,
         recent_begin: recent_block * b,
         chosen: candidates.clone(),
         margin: f64::INFINITY,
+        coverage_margin: f64::INFINITY,
     };
     if take == candidates.len() {
         return plan;
@@ -123,6 +197,11 @@ pub fn decode_plan<'k>(
         for (g, &x) in gap.iter_mut().zip(u) {
             *g = g.min(best - x);
         }
+    }
+    if coverage < 1.0 {
+        let (covering, margin) = coverage_take(&gap, coverage);
+        take = take.min(covering);
+        plan.coverage_margin = margin;
     }
     // the least gaps, ties to the earlier position
     let mut order: Vec<usize> = (0..candidates.len()).collect();
@@ -161,6 +240,7 @@ pub fn decode_step(c: &DecodeCapture) -> (Vec<DecodePlan>, Vec<f64>) {
                 c.sink as usize,
                 c.local as usize,
                 c.budget as usize,
+                c.coverage,
                 &channels,
                 c.sketched_blocks as usize,
             )
@@ -209,7 +289,9 @@ pub fn decode_attention(c: &DecodeCapture, positions: &[Vec<usize>]) -> Vec<f64>
 
 #[cfg(test)]
 mod tests {
-    use super::{decode_plan, sketch_channels, DECODE_BLOCK};
+    use super::{
+        bucket_weight, coverage_take, decode_plan, gap_bucket, sketch_channels, DECODE_BLOCK,
+    };
 
     /// Keys of `n` positions in `d` channels from a small deterministic generator.
     fn keys(n: usize, d: usize, seed: u64) -> Vec<f32> {
@@ -253,7 +335,18 @@ mod tests {
             let q = keys(1, d, seed + 100);
             let key = |pos: usize| &k[pos * d..(pos + 1) * d];
             let channels = sketch_channels(key, n / DECODE_BLOCK * DECODE_BLOCK, d);
-            let plan = decode_plan(&[&q], key, n, 1.0, 4, 24, 80, &channels, n / DECODE_BLOCK);
+            let plan = decode_plan(
+                &[&q],
+                key,
+                n,
+                1.0,
+                4,
+                24,
+                80,
+                1.0,
+                &channels,
+                n / DECODE_BLOCK,
+            );
             // first block, window from the boundary at or below n - 24, 80 positions between
             assert_eq!(plan.sink_end, DECODE_BLOCK);
             assert_eq!(plan.recent_begin, (n - 24) / DECODE_BLOCK * DECODE_BLOCK);
@@ -293,15 +386,101 @@ mod tests {
         let k = keys(n, d, 7);
         let q = keys(1, d, 8);
         let key = |p: usize| &k[p * d..(p + 1) * d];
-        let plan = decode_plan(&[&q], key, n, 1.0, 0, 16, 1024, &[1], 10);
+        let plan = decode_plan(&[&q], key, n, 1.0, 0, 16, 1024, 1.0, &[1], 10);
         assert_eq!(plan.positions(n), (0..n).collect::<Vec<_>>());
         assert!(plan.margin.is_infinite());
         // only 4 blocks sketched: the rest is the recent window, whatever the budget
-        let few = decode_plan(&[&q], key, n, 1.0, 0, 16, 16, &[1], 4);
+        let few = decode_plan(&[&q], key, n, 1.0, 0, 16, 16, 1.0, &[1], 4);
         assert_eq!(few.recent_begin, 4 * DECODE_BLOCK);
         assert_eq!(few.chosen.len(), 16);
         // fewer positions than a block: all of them
-        let short = decode_plan(&[&q], key, 9, 1.0, 0, 0, 16, &[1], 0);
+        let short = decode_plan(&[&q], key, 9, 1.0, 0, 0, 16, 1.0, &[1], 0);
         assert_eq!(short.positions(9), (0..9).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn coverage_takes_the_fewest_least_gap_buckets_that_hold_its_share() {
+        for seed in 1..20 {
+            // gaps as a step's: 0 for a head's best, then spread over a few units
+            let gap: Vec<f64> = keys(500, 1, seed)
+                .iter()
+                .map(|&x| f64::from((x + 0.5) * 8.0))
+                .chain([0.0])
+                .collect();
+            let weight_upto = |last: usize| -> u64 {
+                gap.iter()
+                    .filter(|&&g| gap_bucket(g) <= last)
+                    .map(|&g| bucket_weight(gap_bucket(g)))
+                    .sum()
+            };
+            let total = weight_upto(2047);
+            let mut previous = 0;
+            for coverage in [0.1_f32, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0] {
+                let (taken, margin) = coverage_take(&gap, coverage);
+                assert!(margin >= 0.0);
+                // whole buckets: the taken gaps are exactly those of the buckets up to the cut
+                let mut sorted = gap.clone();
+                sorted.sort_by(f64::total_cmp);
+                let cut = gap_bucket(sorted[taken - 1]);
+                assert!(taken == gap.len() || gap_bucket(sorted[taken]) > cut);
+                // they hold the share, and one bucket fewer would not
+                let need = (f64::from(coverage) * total as f64).ceil() as u64;
+                assert!(weight_upto(cut) >= need, "seed {seed}, coverage {coverage}");
+                let below = sorted[..taken]
+                    .iter()
+                    .filter(|&&g| gap_bucket(g) < cut)
+                    .map(|&g| bucket_weight(gap_bucket(g)))
+                    .sum::<u64>();
+                assert!(below < need, "seed {seed}, coverage {coverage}");
+                // more coverage never takes fewer
+                assert!(taken >= previous);
+                previous = taken;
+            }
+        }
+        // the weights: exp(-gap) of the bucket's least gap, in units of 2^-24; nothing for
+        // infinite gaps
+        assert_eq!(bucket_weight(gap_bucket(0.0)), 1 << 24);
+        assert_eq!(
+            bucket_weight(gap_bucket(1.0)),
+            ((-1.0_f64).exp() * 16_777_216.0 + 0.5) as u64
+        );
+        assert_eq!(bucket_weight(gap_bucket(f64::INFINITY)), 0);
+        // no weight anywhere: every candidate
+        assert_eq!(coverage_take(&[f64::INFINITY; 7], 0.5).0, 7);
+    }
+
+    #[test]
+    fn a_plan_under_coverage_takes_at_most_the_budget_and_fewer_with_less_coverage() {
+        let (n, d) = (60 * DECODE_BLOCK, 8);
+        for seed in 1..10 {
+            let k = keys(n, d, seed);
+            let q = keys(1, d, seed + 50);
+            let key = |pos: usize| &k[pos * d..(pos + 1) * d];
+            let channels = sketch_channels(key, n, d);
+            let plan = |coverage: f32| {
+                decode_plan(
+                    &[&q],
+                    key,
+                    n,
+                    4.0,
+                    0,
+                    32,
+                    400,
+                    coverage,
+                    &channels,
+                    n / DECODE_BLOCK,
+                )
+            };
+            let (all, most, few) = (plan(1.0), plan(0.9), plan(0.3));
+            assert_eq!(all.chosen.len(), 400);
+            assert!(few.chosen.len() <= most.chosen.len() && most.chosen.len() <= 400);
+            assert!(
+                few.chosen.len() < 400,
+                "seed {seed}: coverage 0.3 took the budget"
+            );
+            // what a lower coverage takes is the head of what a higher one takes
+            assert!(few.chosen.iter().all(|p| most.chosen.contains(p)));
+            assert!(all.coverage_margin.is_infinite() && few.coverage_margin.is_finite());
+        }
     }
 }

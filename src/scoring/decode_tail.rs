@@ -80,6 +80,11 @@ pub fn decode_tail(
             SessionConfig {
                 h2o: Some(H2oConfig {
                     decode_budget,
+                    decode_coverage: if decode_budget == 0 {
+                        1.0
+                    } else {
+                        sparse.decode_coverage
+                    },
                     ..sparse
                 }),
                 ..base.clone()
@@ -92,7 +97,7 @@ pub fn decode_tail(
     let mut sparse_session = open(sparse.decode_budget)?;
     let mut scores = Scores::default();
     let (mut t_full, mut t_sparse) = (Duration::ZERO, Duration::ZERO);
-    let (mut keys_full, mut keys_sparse, mut steps) = (0_u64, 0_u64, 0_u64);
+    let (mut keys_full, mut keys_sparse, mut steps) = (0_u64, 0.0_f64, 0_u64);
     for w in 0..windows {
         let mut window: Vec<Token> = tokens[w * n_ctx..(w + 1) * n_ctx].to_vec();
         if let Some(bos) = model.bos_token() {
@@ -127,13 +132,14 @@ pub fn decode_tail(
             let candidate =
                 log_softmax(sparse_session.logits().expect("logits after a decode step"));
             scores.add(&reference, &candidate, window[i + 1] as usize);
-            let visible = (i + 1) as u32;
-            keys_full += u64::from(visible);
-            keys_sparse += u64::from(sparse.decode_keys(visible));
+            keys_full += (i + 1) as u64;
             steps += 1;
         }
+        // what the window's steps read, as the session counted them (or, with the whole budget,
+        // as H2oConfig::decode_keys knows them)
+        keys_sparse += sparse_session.decode_keys_per_step(prompt_len) * (tail - 1) as f64;
     }
-    let per_step = |keys: u64| keys as f64 / steps.max(1) as f64;
+    let per_step = |keys: f64| keys / steps.max(1) as f64;
     let rate = |t: Duration| steps as f64 / t.as_secs_f64().max(f64::MIN_POSITIVE);
     Ok(DecodeTail {
         windows,
@@ -141,7 +147,7 @@ pub fn decode_tail(
         h2o: sparse,
         summary: scores.summary(),
         sparse_keys_per_step: per_step(keys_sparse),
-        full_keys_per_step: per_step(keys_full),
+        full_keys_per_step: per_step(keys_full as f64),
         full_steps_per_second: rate(t_full),
         sparse_steps_per_second: rate(t_sparse),
     })

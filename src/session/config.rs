@@ -118,6 +118,12 @@ pub struct H2oConfig {
     /// (patch 0025). 0: decode reads the whole cache, as llama.cpp does. The KV cache is kept
     /// whole either way, so any step could attend to everything.
     pub decode_budget: u32,
+    /// Sparse decode: of its `decode_budget` positions, a step takes only the fewest whose
+    /// estimated attention holds this share of that of every position between the sinks and
+    /// the window (`--h2o-decode-coverage`), in (0, 1]; 1 takes the whole budget. The budget
+    /// becomes a cap, and a step whose query points at few positions reads few (patch 0035).
+    /// The same for every sequence of a context.
+    pub decode_coverage: f32,
 }
 
 impl Default for H2oConfig {
@@ -132,6 +138,7 @@ impl Default for H2oConfig {
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
             tile_sketch: Self::RECOMMENDED_TILE_SKETCH,
             decode_budget: 0,
+            decode_coverage: 1.0,
         }
     }
 }
@@ -163,6 +170,7 @@ impl H2oConfig {
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
             tile_sketch: Self::RECOMMENDED_TILE_SKETCH,
             decode_budget: 0,
+            decode_coverage: 1.0,
         }
     }
 
@@ -203,7 +211,9 @@ impl H2oConfig {
     /// Keys a decode step reads when `n` positions are visible to it (its own included), per
     /// query head: all `n` with full-attention decode; with sparse decode, the first block(s),
     /// the recent window down to a block boundary, and at most `decode_budget` positions
-    /// between them, as `ggml_h2o_decode` chooses them.
+    /// between them, as `ggml_h2o_decode` chooses them. With `decode_coverage` below 1 this is
+    /// the most a step reads; what it read is known once it has chosen
+    /// (`Session::decode_keys_per_step`).
     #[must_use]
     pub fn decode_keys(&self, n: u32) -> u32 {
         if self.decode_budget == 0 {
@@ -511,6 +521,20 @@ impl SessionConfig {
                      step cannot attend to more positions than the sequence holds; lower it (or \
                      use --h2o-decode full)",
                     h2o.decode_budget, self.n_ctx
+                ));
+            }
+            if !(h2o.decode_coverage > 0.0 && h2o.decode_coverage <= 1.0) {
+                return bad(format!(
+                    "H2O decode coverage --h2o-decode-coverage {} must be in (0, 1]: the share of a \
+                     step's estimated attention its chosen positions hold (1 takes the whole budget)",
+                    h2o.decode_coverage
+                ));
+            }
+            if h2o.decode_coverage < 1.0 && h2o.decode_budget == 0 {
+                return bad(format!(
+                    "H2O decode coverage --h2o-decode-coverage {} needs sparse decode: add \
+                     --h2o-decode sparse (its --h2o-decode-budget is then the most a step takes)",
+                    h2o.decode_coverage
                 ));
             }
             if h2o.decode_budget > 0 && h2o.decode_budget < H2oConfig::DECODE_BLOCK {

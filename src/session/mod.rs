@@ -4,6 +4,7 @@
 
 mod capture;
 mod config;
+mod decode_keys;
 mod h2o;
 mod parallel;
 mod prefix;
@@ -205,6 +206,7 @@ fn context_params(config: &SessionConfig) -> sys::llama_context_params {
         cp.h2o_tile_sketch = h2o.tile_sketch as i32; // <= 8 (validate())
         cp.h2o_undo_log = config.h2o_undo_log;
         cp.h2o_decode_budget = i32::try_from(h2o.decode_budget).unwrap_or(i32::MAX);
+        cp.h2o_decode_coverage = h2o.decode_coverage;
     }
     cp
 }
@@ -233,6 +235,9 @@ pub struct Session<'m> {
     /// Filled by llama.cpp's eval callback when `capture_attention` is on; boxed so that the
     /// address handed to llama.cpp stays put. Dropped after the context (see Drop).
     capture: Option<Box<CaptureSink>>,
+    /// What sparse decode steps read since the last prompt call, where a step's count follows
+    /// its attention (`decode_coverage` below 1).
+    decode_keys: decode_keys::DecodeKeys,
 }
 
 // SAFETY: a llama_context may move between threads; it is only used through &mut self.
@@ -306,6 +311,7 @@ impl<'m> Session<'m> {
             has_logits: false,
             interrupt: None,
             capture,
+            decode_keys: decode_keys::DecodeKeys::default(),
         })
     }
 
@@ -368,6 +374,7 @@ impl<'m> Session<'m> {
         self.prompt_end = 0;
         self.fresh_until = u32::MAX;
         self.has_logits = false;
+        self.decode_keys = decode_keys::DecodeKeys::default();
     }
 
     /// Appends `tokens` to the sequence, in `llama_decode` calls of at most `n_batch` tokens.
@@ -421,6 +428,8 @@ impl<'m> Session<'m> {
             self.decode_batch()?;
             let start = self.n_past;
             self.n_past += piece.len() as u32;
+            self.decode_keys
+                .record(self.ctx, 0, piece.len(), self.n_past, self.h2o());
             self.tokens.extend_from_slice(piece);
             if piece.len() > 1 {
                 self.prompt_end = self.n_past;
@@ -433,6 +442,24 @@ impl<'m> Session<'m> {
         }
         self.has_logits = logits;
         Ok(())
+    }
+
+    /// The keys a query head read per decode step after a prompt of `n_prompt` tokens (the
+    /// steps up to [`Session::n_past`]; 0 for none): as llama.cpp counted them where a step's
+    /// count follows its attention (`decode_coverage` below 1), else
+    /// [`H2oConfig::mean_decode_keys`], which is then exact.
+    #[must_use]
+    pub fn decode_keys_per_step(&self, n_prompt: usize) -> f64 {
+        if let Some(mean) = self.decode_keys.mean() {
+            return mean;
+        }
+        let first = u32::try_from(n_prompt)
+            .unwrap_or(u32::MAX)
+            .saturating_add(1);
+        self.config
+            .h2o
+            .unwrap_or_default()
+            .mean_decode_keys(first, self.n_past)
     }
 
     /// The H2O settings the context runs with (`None` for full attention, L = H = 0 included).

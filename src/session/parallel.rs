@@ -41,6 +41,8 @@ struct SeqBook {
     fresh_until: u32,
     /// The memory selection this sequence runs (L and H are the context's).
     h2o: Option<H2oConfig>,
+    /// What its sparse decode steps read since its last prompt call (see `Session`'s).
+    decode_keys: super::decode_keys::DecodeKeys,
 }
 
 impl SeqBook {
@@ -50,6 +52,7 @@ impl SeqBook {
             prompt_end: 0,
             fresh_until: u32::MAX,
             h2o,
+            decode_keys: super::decode_keys::DecodeKeys::default(),
         }
     }
 
@@ -62,6 +65,7 @@ impl SeqBook {
 fn selection(h2o: Option<H2oConfig>) -> Option<H2oConfig> {
     h2o.map(|h| H2oConfig {
         decode_budget: 0,
+        decode_coverage: 1.0,
         ..h
     })
 }
@@ -236,6 +240,22 @@ impl<'m> ParallelSession<'m> {
         &self.seqs[seq as usize].tokens
     }
 
+    /// The keys a query head of `seq` read per decode step after a prompt of `n_prompt`
+    /// tokens, over the steps that saw `n_prompt + 1 ..= last` positions: as llama.cpp counted
+    /// them where a step's count follows its attention (`decode_coverage` below 1), else
+    /// [`H2oConfig::mean_decode_keys`] of the sequence's settings, which is then exact.
+    #[must_use]
+    pub fn decode_keys_per_step(&self, seq: SeqId, n_prompt: u32, last: u32) -> f64 {
+        let Some(book) = self.seqs.get(seq as usize) else {
+            return 0.0;
+        };
+        book.decode_keys.mean().unwrap_or_else(|| {
+            book.h2o
+                .unwrap_or_default()
+                .mean_decode_keys(n_prompt + 1, last)
+        })
+    }
+
     /// The memory selection sequence `seq` runs (`None`: full attention).
     #[must_use]
     pub fn h2o(&self, seq: SeqId) -> Option<H2oConfig> {
@@ -297,6 +317,13 @@ impl<'m> ParallelSession<'m> {
         }
         if let (Some(w), Some(d)) = (want, default) {
             self.check_decode_budget(w.decode_budget, d.decode_budget)?;
+            if w.decode_coverage != d.decode_coverage {
+                return Err(Error::InvalidConfig(format!(
+                    "a sequence's sparse decode coverage is the context's ({}; asked: {}): \
+                     --h2o-decode-coverage is set for the whole context",
+                    d.decode_coverage, w.decode_coverage
+                )));
+            }
         }
         let book = &self.seqs[seq as usize];
         let keep = if selection(book.h2o) == selection(want) {
@@ -449,6 +476,8 @@ impl<'m> ParallelSession<'m> {
         if piece.len() > 1 {
             book.prompt_end = book.n_past();
         }
+        // a prompt's piece starts the count again; a piece of one token is a step of the prompt
+        book.decode_keys = Default::default();
         book.fresh_until = book
             .fresh_until
             .min(unscored_from(book.h2o, start, piece.len(), last));
@@ -564,10 +593,13 @@ impl<'m> ParallelSession<'m> {
         }
         let seqs: Vec<SeqId> = step.iter().map(|&(s, _)| s).collect();
         self.decode_batch(&seqs, abort)?;
+        let h2o = self.config.h2o.filter(H2oConfig::is_enabled);
         for &(seq, t) in step {
             let book = &mut self.seqs[seq as usize];
             let start = book.n_past();
             book.tokens.push(t);
+            book.decode_keys
+                .record(self.ctx, seq as i32, 1, start + 1, h2o);
             book.fresh_until = book
                 .fresh_until
                 .min(unscored_from(book.h2o, start, 1, true));
@@ -713,6 +745,7 @@ impl<'m> ParallelSession<'m> {
         if cut {
             book.tokens.truncate(keep as usize);
             book.prompt_end = book.prompt_end.min(keep);
+            book.decode_keys = Default::default();
             // `keep` is at most `fresh_until`, and nothing of the history after it is left
             book.fresh_until = u32::MAX;
             keep

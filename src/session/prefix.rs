@@ -156,6 +156,7 @@ impl Session<'_> {
             self.n_past = n;
             self.tokens.truncate(n as usize);
             self.prompt_end = self.prompt_end.min(n);
+            self.decode_keys = Default::default();
         }
         cut
     }

@@ -318,6 +318,7 @@ impl Session<'_> {
         // the state's history is not known: a later truncate evaluates the kept tokens again
         self.prompt_end = self.n_past;
         self.fresh_until = 0;
+        self.decode_keys = Default::default();
         self.has_logits = false;
         Ok(())
     }

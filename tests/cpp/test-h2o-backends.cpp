@@ -26,6 +26,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <string>
 #include <vector>
 
 namespace {
@@ -430,14 +431,15 @@ struct decode_result {
     std::vector<float>    out;
     std::vector<uint16_t> summ;
     std::vector<int32_t>  summ_n;
+    std::vector<float>    keys_read; // per stream, the positions a query head read (ggml_h2o_decode_set_keys_read)
     bool                  supported = true;
 };
 
 // one decode call: n_tokens queries per stream, query t of stream s seeing the cells [0, extents[s][t]) but the closed
-// ones
+// ones; of the budget, what coverage takes (1: all of it)
 decode_result run_decode(ggml_backend_t backend, decode_state & st, const shape & sh,
         const std::vector<std::vector<int32_t>> & extents, int32_t n_sink, int32_t n_local, int32_t n_budget,
-        logit_opts lo, bool mask_f16, int32_t closed_begin, int32_t closed_end, uint32_t seed) {
+        logit_opts lo, bool mask_f16, int32_t closed_begin, int32_t closed_end, uint32_t seed, float coverage = 1.0f) {
     const int64_t n_stream = (int64_t) extents.size();
     const int64_t n_tokens = (int64_t) extents[0].size();
     ggml_init_params ip = { 8*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
@@ -445,9 +447,12 @@ decode_result run_decode(ggml_backend_t backend, decode_state & st, const shape 
     ggml_tensor * q     = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, n_tokens, n_stream);
     ggml_tensor * mask  = ggml_new_tensor_4d(ctx, mask_f16 ? GGML_TYPE_F16 : GGML_TYPE_F32, sh.kv_size, n_tokens, 1, n_stream);
     ggml_tensor * sinks = lo.sinks ? ggml_new_tensor_1d(ctx, GGML_TYPE_F32, sh.n_head) : nullptr;
+    ggml_tensor * keys  = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_stream);
     ggml_tensor * out   = ggml_h2o_decode(ctx, q, st.k, st.v, mask, st.summ, st.summ_n, n_sink, n_local, n_budget,
             1.0f/std::sqrt((float) sh.D));
     ggml_h2o_attn_set_logits(out, lo.softcap, sinks);
+    ggml_h2o_decode_set_coverage(out, coverage);
+    ggml_h2o_decode_set_keys_read(out, keys);
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
 
@@ -486,6 +491,8 @@ decode_result run_decode(ggml_backend_t backend, decode_state & st, const shape 
         ggml_backend_tensor_get(out, r.out.data(), 0, ggml_nbytes(out));
         ggml_backend_tensor_get(st.summ, r.summ.data(), 0, ggml_nbytes(st.summ));
         ggml_backend_tensor_get(st.summ_n, r.summ_n.data(), 0, ggml_nbytes(st.summ_n));
+        r.keys_read.resize(n_stream);
+        ggml_backend_tensor_get(keys, r.keys_read.data(), 0, ggml_nbytes(keys));
         ggml_backend_buffer_free(buf);
     }
     ggml_free(ctx);
@@ -513,17 +520,27 @@ bool compare_decode(const char * what, const char * name, const decode_result & 
     }
     CHECK(n_summ == 0 && n_chan == 0, "%s: %s: %d sketch values and %d channels or counts differ from the CPU's", what, name,
             n_summ, n_chan);
+    // the positions read follow from the choice, which must be the CPU's
+    std::string keys;
+    for (size_t s = 0; s < ref.keys_read.size(); ++s) {
+        CHECK(ref.keys_read[s] == got.keys_read[s], "%s: %s read %g positions a head in stream %zu, the CPU %g", what, name,
+                got.keys_read[s], s, ref.keys_read[s]);
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%s%g", s ? ", " : "", (double) got.keys_read[s]);
+        keys += buf;
+    }
     CHECK(!exact || max_out == 0.0f, "%s: %s is not bit-identical to the reference", what, name);
-    std::printf("     %s on %s: max |Δout| %.3g, %d sketch values and %d channels or counts differ\n", what, name, max_out,
-            n_summ, n_chan);
+    std::printf("     %s on %s: max |Δout| %.3g, %d sketch values and %d channels or counts differ, positions read %s\n", what,
+            name, max_out, n_summ, n_chan, keys.c_str());
     return true;
 }
 
-// Nine decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
+// Ten decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
 // which chooses the channels and sketches it; two tokens at once; a step that sketches four more blocks), two streams
 // with a soft-cap and learned sinks under an F16 mask, three streams with sinks and budgets of their own (patch 0030: a
 // budget of 0, the op's, one that covers the stream), q8_0 K/V with closed cells among the candidates, BF16 K with q4_0
-// V and two sink blocks, a budget that covers the context (full attention), and one that covers 6,000 positions.
+// V and two sink blocks, a budget that covers the context (full attention), two streams whose choice follows coverage
+// (patch 0035: fewer positions than the budget, a count each), and a budget that covers 6,000 positions.
 void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh, float max_v, bool exact) {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -565,6 +582,7 @@ void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * nam
         bool       mask_f16;
         int32_t    closed_begin, closed_end;
         ggml_type  type_k, type_v;
+        float      coverage = 1.0f;
     } cases[] = {
         { "decode, two streams, soft-cap 1 and sinks, F16 mask",   { { 300 }, { 900 } }, 0, 32, 64, { 1.0f, &sinks }, true,
             none, none, GGML_TYPE_F16, GGML_TYPE_F16 },
@@ -576,6 +594,8 @@ void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * nam
             GGML_TYPE_BF16, GGML_TYPE_Q4_0 },
         { "decode, a budget that covers the context",            { { 400 } }, 4, 64, 1024, {}, false, none, none,
             GGML_TYPE_F16, GGML_TYPE_F16 },
+        { "decode, two streams, coverage 0.3 of a budget of 512", { { 900, 901 }, { 800, 801 } }, 4, 64, 512, {}, false,
+            none, none, GGML_TYPE_F16, GGML_TYPE_F16, 0.3f },
     };
     uint32_t seed = 200;
     for (const auto & c : cases) {
@@ -589,9 +609,18 @@ void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * nam
                 st->set_own(2, 4, 1024);
             }
         }
-        compare_decode(c.what, name,
-                run_decode(cpu,   ref_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16, c.closed_begin, c.closed_end, seed),
-                run_decode(other, got_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16, c.closed_begin, c.closed_end, seed),
+        const decode_result ref = run_decode(cpu, ref_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16,
+                c.closed_begin, c.closed_end, seed, c.coverage);
+        if (c.coverage < 1.0f) {
+            // the case is one only if coverage takes fewer than the budget: sinks, budget and window bound what is read
+            for (size_t s = 0; s < ref.keys_read.size(); ++s) {
+                CHECK(ref.keys_read[s] < (float) (16 + c.n_budget + c.n_local + 16), "%s: stream %zu read %g positions a head: "
+                        "the coverage took the whole budget", c.what, s, ref.keys_read[s]);
+            }
+        }
+        compare_decode(c.what, name, ref,
+                run_decode(other, got_st, sh, c.extents, c.n_sink, c.n_local, c.n_budget, c.lo, c.mask_f16, c.closed_begin,
+                        c.closed_end, seed, c.coverage),
                 max_v, exact);
         ++seed;
     }

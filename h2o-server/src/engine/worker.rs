@@ -1007,14 +1007,11 @@ impl<'m> Engine<'m> {
             };
         // decode steps ran after the prompt, one per generated token but the last
         let n_prompt = a.prompt.len() as u32;
-        let h2o_decode_keys_per_step = self
-            .session
-            .h2o(slot as u32)
-            .unwrap_or_default()
-            .mean_decode_keys(
-                n_prompt + 1,
-                n_prompt + predicted_n.saturating_sub(1) as u32,
-            );
+        let h2o_decode_keys_per_step = self.session.decode_keys_per_step(
+            slot as u32,
+            n_prompt,
+            n_prompt + predicted_n.saturating_sub(1) as u32,
+        );
         JobTimings {
             prompt_n,
             prompt_ms,

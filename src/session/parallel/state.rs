@@ -157,6 +157,7 @@ fn parse(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<(SeqBook, &[u8]), 
         prompt_end,
         fresh_until,
         h2o: None,
+        decode_keys: Default::default(),
     };
     Ok((book, state))
 }
