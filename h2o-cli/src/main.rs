@@ -435,6 +435,7 @@ fn session_config(cli: &Cli) -> Result<SessionConfig> {
         count("--h2o-local", cli.h2o_local)?,
         count("--h2o-heavy", cli.h2o_heavy)?,
     );
+    h2o.check_decode_needs_h2o()?;
     Ok(SessionConfig {
         n_ctx: cli.ctx_size,
         n_batch: cli.batch_size,

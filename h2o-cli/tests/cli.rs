@@ -308,6 +308,11 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             "--h2o-decode-coverage 0.9 needs sparse decode",
         ),
         (
+            &["-p", "x", "--h2o-decode", "sparse"],
+            3,
+            "--h2o-decode sparse and --h2o-decode-coverage need H2O on",
+        ),
+        (
             &[
                 "-p",
                 "x",

@@ -345,6 +345,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         h2o.decode_budget = cli.h2o_decode_budget;
     }
     h2o.decode_coverage = cli.h2o_decode_coverage;
+    h2o.check_decode_needs_h2o()?;
     let h2o = h2o.is_enabled().then_some(h2o);
     let jinja_template = match (&cli.chat_template_file, &cli.chat_template) {
         (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {

@@ -750,4 +750,6 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     let mut args = SHAPE.to_vec();
     args.extend(["--h2o-decode", "sparse", "--h2o-decode-coverage", "0"]);
     refused_at_start(&args, "--h2o-decode-coverage");
+    // and sparse decode without H2O on, which the server dropped before
+    refused_at_start(&["--h2o-decode", "sparse"], "need H2O on");
 }

@@ -245,6 +245,24 @@ impl H2oConfig {
     pub fn is_enabled(&self) -> bool {
         self.memory_size() > 0
     }
+
+    /// Front ends build an `H2oConfig` from their flags and drop it where L = H = 0; sparse
+    /// decode asked for in it would then be dropped with it, silently.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the flags when this asks for sparse decode (a budget, or
+    /// a coverage below 1) without H2O on.
+    pub fn check_decode_needs_h2o(&self) -> Result<()> {
+        if !self.is_enabled() && (self.decode_budget > 0 || self.decode_coverage != 1.0) {
+            return Err(Error::InvalidConfig(
+                "--h2o-decode sparse and --h2o-decode-coverage need H2O on: sparse decode reads \
+                 the key sketches an H2O context keeps; add --h2o-local and --h2o-heavy (or use \
+                 --h2o-decode full)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// When to use flash attention (`-fa on|off|auto`).
