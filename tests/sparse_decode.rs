@@ -79,6 +79,46 @@ fn compare(prompt: &[Token], decode_budget: u32) -> (f32, f64, usize) {
     (max_diff, kl / STEPS as f64, agree)
 }
 
+/// The sparse decode op of every layer, captured, in the first step after a prompt of 1,000
+/// tokens.
+fn first_step_after_1000(config: SessionConfig) -> Vec<h2o_llama::DecodeCapture> {
+    let m = common::model();
+    let mut s = Session::new(m, config).unwrap();
+    let p = prompt(1001);
+    s.evaluate(&p[..1000]).unwrap();
+    s.take_attention_captures().unwrap();
+    s.evaluate(&p[1000..]).unwrap();
+    let steps = s.take_decode_captures().unwrap();
+    assert_eq!(steps.len() as u32, m.n_layer(), "one capture per layer");
+    steps
+}
+
+/// Each KV head's output in the captured step `c` against the reference's (`plans`, `out`, from
+/// `reference::decode_step`), where `comparable(plan)`: (heads compared, heads left out,
+/// max |Δ out| over those compared).
+fn against_reference(
+    c: &h2o_llama::DecodeCapture,
+    plans: &[h2o_llama::reference::DecodePlan],
+    out: &[f64],
+    comparable: impl Fn(&h2o_llama::reference::DecodePlan) -> bool,
+) -> (usize, usize, f64) {
+    let dv = c.head_dim_v as usize;
+    let group = (c.n_head / c.n_head_kv) as usize;
+    let (mut compared, mut left_out, mut worst) = (0, 0, 0.0_f64);
+    for (kvh, plan) in plans.iter().enumerate() {
+        if !comparable(plan) {
+            left_out += 1;
+            continue;
+        }
+        compared += 1;
+        let heads = kvh * group * dv..(kvh + 1) * group * dv;
+        for (&engine, &reference) in c.output[heads.clone()].iter().zip(&out[heads]) {
+            worst = worst.max((f64::from(engine) - reference).abs());
+        }
+    }
+    (compared, left_out, worst)
+}
+
 /// As [`config`], with the engine's attention ops captured.
 fn capturing(decode_budget: u32) -> SessionConfig {
     SessionConfig {
@@ -341,14 +381,7 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
     // 1,000 prompt tokens, a budget of 128 positions (of about 870 candidates): each layer's
     // op, captured, against reference::decode_step's choice and attention in f64; and each KV
     // head's sketch channels against the key energy of the prompt's complete blocks
-    let m = common::model();
-    let mut s = Session::new(m, capturing(128)).unwrap();
-    let p = prompt(1001);
-    s.evaluate(&p[..1000]).unwrap();
-    s.take_attention_captures().unwrap();
-    s.evaluate(&p[1000..]).unwrap();
-    let steps = s.take_decode_captures().unwrap();
-    assert_eq!(steps.len() as u32, m.n_layer(), "one capture per layer");
+    let steps = first_step_after_1000(capturing(128));
     let (mut compared, mut near_ties, mut worst) = (0, 0, 0.0_f64);
     for c in &steps {
         assert_eq!(c.n, 1001);
@@ -378,21 +411,10 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
             }
         }
         let (plans, out) = h2o_llama::reference::decode_step(c);
-        let dv = c.head_dim_v as usize;
-        let group = (c.n_head / c.n_head_kv) as usize;
-        for (kvh, plan) in plans.iter().enumerate() {
-            assert_eq!(plan.chosen.len(), 128);
-            // a near tie may rank the other way in the engine's F32: not compared
-            if plan.margin < 1e-4 {
-                near_ties += 1;
-                continue;
-            }
-            compared += 1;
-            let heads = kvh * group * dv..(kvh + 1) * group * dv;
-            for (&engine, &reference) in c.output[heads.clone()].iter().zip(&out[heads]) {
-                worst = worst.max((f64::from(engine) - reference).abs());
-            }
-        }
+        assert!(plans.iter().all(|p| p.chosen.len() == 128));
+        // a near tie may rank the other way in the engine's F32: not compared
+        let (n, left_out, w) = against_reference(c, &plans, &out, |p| p.margin >= 1e-4);
+        (compared, near_ties, worst) = (compared + n, near_ties + left_out, worst.max(w));
     }
     eprintln!(
         "{compared} KV heads compared, {near_ties} near ties left out: max |Δ out| {worst:.2e}"
@@ -411,25 +433,16 @@ fn a_step_following_coverage_takes_what_the_reference_takes() {
     // coverage takes from its own f64 gaps (buckets of the gaps' leading bits, integer weights):
     // the outputs agree where neither the ranking nor the count is a near tie, and the op's own
     // count of the positions it read is the reference's
-    let m = common::model();
     let mut cfg = capturing(512);
     if let Some(h2o) = cfg.h2o.as_mut() {
         h2o.decode_coverage = 0.7;
     }
-    let mut s = Session::new(m, cfg).unwrap();
-    let p = prompt(1001);
-    s.evaluate(&p[..1000]).unwrap();
-    s.take_attention_captures().unwrap();
-    s.evaluate(&p[1000..]).unwrap();
-    let steps = s.take_decode_captures().unwrap();
-    assert_eq!(steps.len() as u32, m.n_layer(), "one capture per layer");
+    let steps = first_step_after_1000(cfg);
     let (mut compared, mut left_out, mut worst) = (0, 0, 0.0_f64);
     let (mut fewer, mut n_plans, mut counts_compared) = (0, 0, 0);
     for c in &steps {
         assert_eq!((c.budget, c.coverage), (512, 0.7));
         let (plans, out) = h2o_llama::reference::decode_step(c);
-        let dv = c.head_dim_v as usize;
-        let group = (c.n_head / c.n_head_kv) as usize;
         for plan in &plans {
             assert!(plan.chosen.len() <= 512);
             fewer += usize::from(plan.chosen.len() < 512);
@@ -447,17 +460,10 @@ fn a_step_following_coverage_takes_what_the_reference_takes() {
             );
             counts_compared += 1;
         }
-        for (kvh, plan) in plans.iter().enumerate() {
-            if plan.margin < 1e-4 || plan.coverage_margin < 2e-5 {
-                left_out += 1;
-                continue;
-            }
-            compared += 1;
-            let heads = kvh * group * dv..(kvh + 1) * group * dv;
-            for (&engine, &reference) in c.output[heads.clone()].iter().zip(&out[heads]) {
-                worst = worst.max((f64::from(engine) - reference).abs());
-            }
-        }
+        let (n, out_of_it, w) = against_reference(c, &plans, &out, |p| {
+            p.margin >= 1e-4 && p.coverage_margin >= 2e-5
+        });
+        (compared, left_out, worst) = (compared + n, left_out + out_of_it, worst.max(w));
     }
     eprintln!(
         "{compared} KV heads compared, {left_out} near ties left out, {fewer} took fewer than the \

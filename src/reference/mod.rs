@@ -20,8 +20,8 @@ mod tiles;
 
 pub use crate::session::Selection;
 pub use decode::{
-    channel_energy, decode_attention, decode_plan, decode_step, sketch_channels, DecodePlan,
-    DECODE_BLOCK,
+    bucket_weight, channel_energy, coverage_take, decode_attention, decode_plan, decode_step,
+    gap_bucket, sketch_channels, DecodePlan, DECODE_BLOCK,
 };
 pub use memory::{build_memory_set, MemorySet};
 pub use select::{
