@@ -50,8 +50,13 @@ impl DecodeKeys {
         self.steps += 1;
     }
 
-    /// The mean over the steps booked, or `None` when none was (or the count is not kept).
-    pub(crate) fn mean(&self) -> Option<f64> {
-        (self.steps > 0).then(|| self.sum / self.steps as f64)
+    /// The keys a step read over the steps seeing `first ..= last` positions: the mean of those
+    /// booked, or, where none was (the count is kept only when it follows the attention),
+    /// [`H2oConfig::mean_decode_keys`] of `h2o`, which is then exact.
+    pub(crate) fn per_step(&self, h2o: Option<H2oConfig>, first: u32, last: u32) -> f64 {
+        if self.steps > 0 {
+            return self.sum / self.steps as f64;
+        }
+        h2o.unwrap_or_default().mean_decode_keys(first, last)
     }
 }

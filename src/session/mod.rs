@@ -450,16 +450,11 @@ impl<'m> Session<'m> {
     /// [`H2oConfig::mean_decode_keys`], which is then exact.
     #[must_use]
     pub fn decode_keys_per_step(&self, n_prompt: usize) -> f64 {
-        if let Some(mean) = self.decode_keys.mean() {
-            return mean;
-        }
         let first = u32::try_from(n_prompt)
             .unwrap_or(u32::MAX)
             .saturating_add(1);
-        self.config
-            .h2o
-            .unwrap_or_default()
-            .mean_decode_keys(first, self.n_past)
+        self.decode_keys
+            .per_step(self.config.h2o, first, self.n_past)
     }
 
     /// The H2O settings the context runs with (`None` for full attention, L = H = 0 included).

@@ -246,13 +246,8 @@ impl<'m> ParallelSession<'m> {
     /// [`H2oConfig::mean_decode_keys`] of the sequence's settings, which is then exact.
     #[must_use]
     pub fn decode_keys_per_step(&self, seq: SeqId, n_prompt: u32, last: u32) -> f64 {
-        let Some(book) = self.seqs.get(seq as usize) else {
-            return 0.0;
-        };
-        book.decode_keys.mean().unwrap_or_else(|| {
-            book.h2o
-                .unwrap_or_default()
-                .mean_decode_keys(n_prompt + 1, last)
+        self.seqs.get(seq as usize).map_or(0.0, |book| {
+            book.decode_keys.per_step(book.h2o, n_prompt + 1, last)
         })
     }
 
