@@ -88,6 +88,28 @@ def study(files, budget):
                 covered(top(sum(softmax(x) for x in u), cand, budget)))
             add("sketch (d/4 channels of most key energy), least gap below the head's best",
                 covered(top(-(u.max(1, keepdims=True) - u).min(0), cand, budget)))
+            # two levels: Quest bounds on the sketch's channels over pages of `page` positions name the
+            # pages that hold `factor` x budget positions, least bound gap first; the sketch's least gap
+            # chooses among their positions only, so that a step estimates a fraction of the positions
+            ks = kg[cand][:, channels]
+            for page, factor in ((64, 4), (64, 2), (256, 4)):
+                n_pages = -(-len(cand) // page)
+                pad = np.full((n_pages * page - len(cand), len(channels)), np.nan)
+                kp = np.concatenate([ks, pad]).reshape(n_pages, page, len(channels))
+                lo, hi = np.nanmin(kp, 1), np.nanmax(kp, 1)
+                bound = np.stack([np.maximum(qr[channels] * hi, qr[channels] * lo).sum(1) for qr in qs])
+                page_gap = (bound.max(1, keepdims=True) - bound).min(0)
+                keep = np.zeros(len(cand), bool)
+                for p in np.argsort(page_gap, kind="stable"):
+                    if keep.sum() >= factor * budget:
+                        break
+                    keep[p * page : (p + 1) * page] = True
+                uk = u[:, keep]
+                gap = (uk.max(1, keepdims=True) - uk).min(0)
+                add(f"two levels: pages of {page} holding {factor}x the budget, then the sketch's least gap",
+                    covered(top(-gap, cand[keep], budget)))
+                add(f"two levels: pages of {page} holding {factor}x the budget: share of positions estimated",
+                    keep.mean())
             _, vecs = np.linalg.eigh(prompt_keys.T @ prompt_keys)
             basis = vecs[:, ::-1][:, : d // 4]
             up = np.stack([(kg[cand] @ basis) @ (basis.T @ qr) for qr in qs])
