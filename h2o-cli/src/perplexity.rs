@@ -63,10 +63,10 @@ pub struct PerplexityArgs {
     // (help as an attribute: rustdoc would read the brackets as links)
     #[arg(
         long,
-        value_name = "L:H[:P[:S[:T[:N[:G]]]]],..",
+        value_name = "L:H[:P[:S[:T[:N[:G[:K]]]]]],..",
         value_delimiter = ',',
         value_parser = parse_shape,
-        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE]]]]], \
+        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE[:TILE_SKETCH]]]]]], \
                 comma-separated, omitted parts as the library recommends; e.g. 512:0,0:512 for local-only and heavy-only \
                 at the same M as 256:256), against the same full attention, and print one row per shape \
                 (the main shape first; a shape named twice is scored once)"
