@@ -53,9 +53,9 @@ for k in dict.fromkeys(key(r) for r in runs):
     rs = [r for r in runs if key(r) == k]
     tps = [r["decode_tokens_per_second"] for r in rs]
     keys = rs[0]["decode_keys_per_step"]
+    keys = "–" if keys is None else f"{keys:.0f}"
     budget = "–" if k[1] == "full" else k[2]
     cov = "–" if k[1] == "full" else k[3]
-    print(f"| {k[0]} | {k[1]} | {budget} | {cov} | {', '.join(f'{t:.1f}' for t in tps)} | {statistics.median(tps):.1f} | {keys:.0f} |"
-          if keys is not None else
-          f"| {k[0]} | {k[1]} | {budget} | {cov} | {', '.join(f'{t:.1f}' for t in tps)} | {statistics.median(tps):.1f} | – |")
+    runs_tps = ", ".join(f"{t:.1f}" for t in tps)
+    print(f"| {k[0]} | {k[1]} | {budget} | {cov} | {runs_tps} | {statistics.median(tps):.1f} | {keys} |")
 EOF
