@@ -43,6 +43,11 @@ def top(score, cand, budget):
     return cand[np.argsort(-score, kind="stable")[:budget]]
 
 
+def least_gap(u):
+    """Each position's gap below its head's best estimate, the least over the heads (the op's rule)."""
+    return (u.max(1, keepdims=True) - u).min(0)
+
+
 def study(files, budget):
     res = {}
 
@@ -87,7 +92,7 @@ def study(files, budget):
             add("sketch (d/4 channels of most key energy), sum of shares",
                 covered(top(sum(softmax(x) for x in u), cand, budget)))
             add("sketch (d/4 channels of most key energy), least gap below the head's best",
-                covered(top(-(u.max(1, keepdims=True) - u).min(0), cand, budget)))
+                covered(top(-least_gap(u), cand, budget)))
             # two levels: Quest bounds on the sketch's channels over pages of `page` positions name the
             # pages that hold `factor` x budget positions, least bound gap first; the sketch's least gap
             # chooses among their positions only, so that a step estimates a fraction of the positions
@@ -104,10 +109,8 @@ def study(files, budget):
                     if keep.sum() >= factor * budget:
                         break
                     keep[p * page : (p + 1) * page] = True
-                uk = u[:, keep]
-                gap = (uk.max(1, keepdims=True) - uk).min(0)
                 add(f"two levels: pages of {page} holding {factor}x the budget, then the sketch's least gap",
-                    covered(top(-gap, cand[keep], budget)))
+                    covered(top(-least_gap(u[:, keep]), cand[keep], budget)))
                 add(f"two levels: pages of {page} holding {factor}x the budget: share of positions estimated",
                     keep.mean())
             _, vecs = np.linalg.eigh(prompt_keys.T @ prompt_keys)
