@@ -93,6 +93,19 @@ def study(files, budget):
                 covered(top(sum(softmax(x) for x in u), cand, budget)))
             add("sketch (d/4 channels of most key energy), least gap below the head's best",
                 covered(top(-least_gap(u), cand, budget)))
+            # the same sketch in 8 bits: each position's channels scaled by their largest magnitude, each head's
+            # query by its own, products summed as integers (what VNNI dot products compute)
+            ks8 = kg[cand][:, channels]
+            sk = np.abs(ks8).max(1, keepdims=True)
+            sk[sk == 0] = 1
+            kq = np.round(ks8 / sk * 127)
+            u8 = []
+            for qr in qs:
+                qc = qr[channels]
+                sq = np.abs(qc).max() or 1.0
+                u8.append((kq @ np.round(qc / sq * 127)) * sk[:, 0] * sq / 127 ** 2)
+            add("sketch in 8 bits (a scale per position, per query head), least gap below the head's best",
+                covered(top(-least_gap(np.stack(u8)), cand, budget)))
             # two levels: Quest bounds on the sketch's channels over pages of `page` positions name the
             # pages that hold `factor` x budget positions, least bound gap first; the sketch's least gap
             # chooses among their positions only, so that a step estimates a fraction of the positions

@@ -7,7 +7,8 @@
 //! gap is how far its estimated logit stands below the best estimate of the same query head, the
 //! least over the query heads of its KV head; the estimate is the product of the query and the
 //! key on the KV head's sketch channels, the quarter of the channels whose keys held the most
-//! energy when the first block was sketched.
+//! energy when the first block was sketched, each quantized to 8 bits with its own scale
+//! ([`sketch_quantize`]) and their products summed as integers, as the engine does.
 //!
 //! With a coverage γ below 1 (patch 0035), a step takes, of its budget, only the candidates of
 //! the least-gap buckets whose weight reaches γ of all candidates': a candidate's bucket is the
@@ -26,17 +27,9 @@ pub struct DecodePlan {
     /// Positions `[0, sink_end)` and `[recent_begin, n)` are read whole.
     pub sink_end: usize,
     pub recent_begin: usize,
-    /// The chosen positions between them, ascending.
+    /// The chosen positions between them, ascending: the engine's own choice, since the
+    /// estimates and gaps are formed as it forms them, in the same F32 operations.
     pub chosen: Vec<usize>,
-    /// How far the least gap left out stands above the largest one chosen, relative to it
-    /// (`f64::INFINITY` when nothing was left out): near 0, the engine's F32 gaps may rank the
-    /// two the other way.
-    pub margin: f64,
-    /// With coverage below 1: how close the count it takes came to another (`f64::INFINITY`
-    /// otherwise): the least distance of a gap counted to its bucket's edges, and of the
-    /// weight needed to the weight of the buckets either side of the cut, relative to it. Near
-    /// 0, the engine's F32 gaps may count one bucket more or less.
-    pub coverage_margin: f64,
 }
 
 impl DecodePlan {
@@ -82,6 +75,45 @@ pub fn strongest_channels(e: &[f64], keep: usize) -> Vec<usize> {
     chosen
 }
 
+/// The 8-bit sketch of `x` (a key's, or a pre-scaled query's, values on the sketch channels),
+/// as the engine forms it in F32 (`h2o_sketch_quantize`): each value times `127 / a`, `a` their
+/// largest magnitude, rounded to nearest even, and the scale `a / 127`. Zeros (and values so
+/// small that `127 / a` overflows) take scale 0 and zeros; values with a NaN or an infinity take
+/// scale NaN (their estimates are -inf) and zeros.
+#[must_use]
+pub fn sketch_quantize(x: &[f32]) -> (Vec<i8>, f32) {
+    let a = x.iter().fold(0.0_f32, |a, v| a.max(v.abs()));
+    if x.iter().any(|v| !v.is_finite()) {
+        return (vec![0; x.len()], f32::NAN);
+    }
+    let inv = 127.0_f32 / a;
+    if inv.is_infinite() {
+        return (vec![0; x.len()], 0.0);
+    }
+    let q = x
+        .iter()
+        .map(|&v| (v * inv).round_ties_even() as i8)
+        .collect();
+    (q, a / 127.0)
+}
+
+/// The estimated logit of a query with 8-bit sketch `(q, sq)` at a key with sketch `(k, sk)`:
+/// their integer dot product times `sq`, then times `sk`, in F32 (NaN becomes -inf).
+#[must_use]
+pub fn sketch_estimate(q: &(Vec<i8>, f32), k: &(Vec<i8>, f32)) -> f32 {
+    let dot: i32 =
+        q.0.iter()
+            .zip(&k.0)
+            .map(|(&a, &b)| i32::from(a) * i32::from(b))
+            .sum();
+    let e = (dot as f32 * q.1) * k.1;
+    if e.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        e
+    }
+}
+
 /// The first-level bucket of a gap: the leading 11 bits of its F32 pattern (a negative gap's
 /// taken as 0), an eighth of an octave.
 #[must_use]
@@ -104,9 +136,9 @@ pub fn bucket_weight(b: usize) -> u64 {
 
 /// How many of the candidates with gaps `gap` coverage `coverage` takes: whole buckets from the
 /// least gaps until their weight reaches `coverage` of all candidates' (all of them when none
-/// weighs anything), and its margin (see [`DecodePlan::coverage_margin`]).
+/// weighs anything).
 #[must_use]
-pub fn coverage_take(gap: &[f64], coverage: f32) -> (usize, f64) {
+pub fn coverage_take(gap: &[f64], coverage: f32) -> usize {
     let mut count = [0_u64; 2048];
     for &g in gap {
         count[gap_bucket(g)] += 1;
@@ -114,33 +146,18 @@ pub fn coverage_take(gap: &[f64], coverage: f32) -> (usize, f64) {
     let weight: Vec<u64> = (0..2048).map(|b| count[b] * bucket_weight(b)).collect();
     let total: u64 = weight.iter().sum();
     if total == 0 {
-        return (gap.len(), f64::INFINITY);
+        return gap.len();
     }
     let need = (f64::from(coverage) * total as f64).ceil() as u64;
-    let (mut held, mut taken, mut cut) = (0_u64, 0_u64, 0);
+    let (mut held, mut taken) = (0_u64, 0_u64);
     for b in 0..2048 {
         held += weight[b];
         taken += count[b];
         if held >= need {
-            cut = b;
             break;
         }
     }
-    // the weight needed against the weight held with one bucket less and with the cut's
-    let before = held - weight[cut];
-    let slack = ((need - before).min(held - need)) as f64 / need as f64;
-    // the gaps of the buckets up to the one after the cut against their buckets' edges (a gap
-    // of 0, a head's best estimate, is 0 in any arithmetic)
-    let edge = |b: usize| f64::from(f32::from_bits((b as u32) << 20));
-    let near_edge = gap
-        .iter()
-        .filter(|&&g| g > 0.0 && gap_bucket(g) <= cut + 1)
-        .map(|&g| {
-            let b = gap_bucket(g);
-            (g - edge(b)).abs().min((edge(b + 1) - g).abs())
-        })
-        .fold(f64::INFINITY, f64::min);
-    (taken as usize, slack.min(near_edge))
+    taken as usize
 }
 
 /// What the query heads `queries` (each `d` values, scaled by `scale`) of one KV head read,
@@ -170,44 +187,46 @@ pub fn decode_plan<'k>(
         sink_end: sink_blocks * b,
         recent_begin: recent_block * b,
         chosen: candidates.clone(),
-        margin: f64::INFINITY,
-        coverage_margin: f64::INFINITY,
     };
     if take == candidates.len() {
         return plan;
     }
-    let estimates: Vec<Vec<f64>> = queries
+    // the engine scales the query in F32, then quantizes it and each key on the sketch channels
+    let sketches: Vec<(Vec<i8>, f32)> = candidates
+        .iter()
+        .map(|&pos| sketch_quantize(&channels.iter().map(|&c| key(pos)[c]).collect::<Vec<f32>>()))
+        .collect();
+    let estimates: Vec<Vec<f32>> = queries
         .iter()
         .map(|q| {
-            candidates
-                .iter()
-                .map(|&pos| {
-                    let k = key(pos);
-                    channels
-                        .iter()
-                        .map(|&c| f64::from(q[c]) * scale * f64::from(k[c]))
-                        .sum()
-                })
-                .collect()
+            let qs = sketch_quantize(
+                &channels
+                    .iter()
+                    .map(|&c| q[c] * scale as f32)
+                    .collect::<Vec<f32>>(),
+            );
+            sketches.iter().map(|k| sketch_estimate(&qs, k)).collect()
         })
         .collect();
-    let mut gap = vec![f64::INFINITY; candidates.len()];
+    // the gaps in F32, as the engine forms them from the same estimates: the same values bit for
+    // bit (a head with no estimate, its best -inf, adds nothing)
+    let mut gap32 = vec![f32::INFINITY; candidates.len()];
     for u in &estimates {
-        let best = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        for (g, &x) in gap.iter_mut().zip(u) {
+        let best = u.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if best == f32::NEG_INFINITY {
+            continue;
+        }
+        for (g, &x) in gap32.iter_mut().zip(u) {
             *g = g.min(best - x);
         }
     }
+    let gap: Vec<f64> = gap32.iter().map(|&g| f64::from(g)).collect();
     if coverage < 1.0 {
-        let (covering, margin) = coverage_take(&gap, coverage);
-        take = take.min(covering);
-        plan.coverage_margin = margin;
+        take = take.min(coverage_take(&gap, coverage));
     }
     // the least gaps, ties to the earlier position
     let mut order: Vec<usize> = (0..candidates.len()).collect();
     order.sort_by(|&i, &j| gap[i].total_cmp(&gap[j]).then(i.cmp(&j)));
-    let (last_in, first_out) = (gap[order[take - 1]], gap[order[take]]);
-    plan.margin = (first_out - last_in) / last_in.abs().max(f64::MIN_POSITIVE);
     let mut chosen: Vec<usize> = order[..take].iter().map(|&i| candidates[i]).collect();
     chosen.sort_unstable();
     plan.chosen = chosen;
@@ -290,8 +309,38 @@ pub fn decode_attention(c: &DecodeCapture, positions: &[Vec<usize>]) -> Vec<f64>
 #[cfg(test)]
 mod tests {
     use super::{
-        bucket_weight, coverage_take, decode_plan, gap_bucket, sketch_channels, DECODE_BLOCK,
+        bucket_weight, coverage_take, decode_plan, gap_bucket, sketch_channels, sketch_estimate,
+        sketch_quantize, DECODE_BLOCK,
     };
+
+    #[test]
+    fn a_sketch_holds_each_value_within_half_its_step() {
+        let (q, s) = sketch_quantize(&[1.0, -0.5, 0.25, 0.0]);
+        assert_eq!(q, vec![127, -64, 32, 0]); // -63.5 rounds to even
+        assert_eq!(s, 1.0 / 127.0);
+        for seed in 0..20 {
+            let x = keys(1, 16, seed);
+            let (q, s) = sketch_quantize(&x);
+            assert!(q.iter().all(|&v| v.unsigned_abs() <= 127));
+            assert_eq!(q.iter().map(|v| v.unsigned_abs()).max(), Some(127));
+            for (&v, &qv) in x.iter().zip(&q) {
+                assert!((v - f32::from(qv) * s).abs() <= s * 0.5001, "{v} {qv} {s}");
+            }
+        }
+        assert_eq!(sketch_quantize(&[0.0; 4]), (vec![0; 4], 0.0));
+        assert_eq!(sketch_quantize(&[1e-39, 0.0]), (vec![0; 2], 0.0)); // 127 / a overflows
+        let bad = sketch_quantize(&[1.0, f32::NAN, 0.0, 0.0]);
+        assert!(bad.1.is_nan() && bad.0 == vec![0; 4]);
+        assert_eq!(
+            sketch_estimate(&sketch_quantize(&[1.0; 4]), &bad),
+            f32::NEG_INFINITY
+        );
+        // the estimate approaches the product of the values
+        let (x, y) = (keys(1, 16, 7), keys(1, 16, 8));
+        let exact: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
+        let est = sketch_estimate(&sketch_quantize(&x), &sketch_quantize(&y));
+        assert!((est - exact).abs() < 0.02, "{est} {exact}");
+    }
 
     /// Keys of `n` positions in `d` channels from a small deterministic generator.
     fn keys(n: usize, d: usize, seed: u64) -> Vec<f32> {
@@ -353,12 +402,14 @@ mod tests {
             assert_eq!(plan.chosen.len(), 80);
             assert!(plan.chosen.windows(2).all(|w| w[0] < w[1]));
             // with one query head the gap ranks as the estimate does: every chosen position's
-            // estimate is at least every left-out candidate's
+            // estimate (from the 8-bit sketches) is at least every left-out candidate's
+            let on_channels = |x: &[f32]| channels.iter().map(|&c| x[c]).collect::<Vec<f32>>();
+            let qs = sketch_quantize(&on_channels(&q));
             let estimate = |pos: usize| -> f64 {
-                channels
-                    .iter()
-                    .map(|&c| f64::from(q[c]) * f64::from(key(pos)[c]))
-                    .sum()
+                f64::from(sketch_estimate(
+                    &qs,
+                    &sketch_quantize(&on_channels(key(pos))),
+                ))
             };
             let worst_in = plan
                 .chosen
@@ -388,7 +439,6 @@ mod tests {
         let key = |p: usize| &k[p * d..(p + 1) * d];
         let plan = decode_plan(&[&q], key, n, 1.0, 0, 16, 1024, 1.0, &[1], 10);
         assert_eq!(plan.positions(n), (0..n).collect::<Vec<_>>());
-        assert!(plan.margin.is_infinite());
         // only 4 blocks sketched: the rest is the recent window, whatever the budget
         let few = decode_plan(&[&q], key, n, 1.0, 0, 16, 16, 1.0, &[1], 4);
         assert_eq!(few.recent_begin, 4 * DECODE_BLOCK);
@@ -416,8 +466,7 @@ mod tests {
             let total = weight_upto(2047);
             let mut previous = 0;
             for coverage in [0.1_f32, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0] {
-                let (taken, margin) = coverage_take(&gap, coverage);
-                assert!(margin >= 0.0);
+                let taken = coverage_take(&gap, coverage);
                 // whole buckets: the taken gaps are exactly those of the buckets up to the cut
                 let mut sorted = gap.clone();
                 sorted.sort_by(f64::total_cmp);
@@ -446,7 +495,7 @@ mod tests {
         );
         assert_eq!(bucket_weight(gap_bucket(f64::INFINITY)), 0);
         // no weight anywhere: every candidate
-        assert_eq!(coverage_take(&[f64::INFINITY; 7], 0.5).0, 7);
+        assert_eq!(coverage_take(&[f64::INFINITY; 7], 0.5), 7);
     }
 
     #[test]
@@ -480,7 +529,6 @@ mod tests {
             );
             // what a lower coverage takes is the head of what a higher one takes
             assert!(few.chosen.iter().all(|p| most.chosen.contains(p)));
-            assert!(all.coverage_margin.is_infinite() && few.coverage_margin.is_finite());
         }
     }
 }

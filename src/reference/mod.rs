@@ -21,7 +21,7 @@ mod tiles;
 pub use crate::session::Selection;
 pub use decode::{
     bucket_weight, channel_energy, coverage_take, decode_attention, decode_plan, decode_step,
-    gap_bucket, sketch_channels, DecodePlan, DECODE_BLOCK,
+    gap_bucket, sketch_channels, sketch_estimate, sketch_quantize, DecodePlan, DECODE_BLOCK,
 };
 pub use memory::{build_memory_set, MemorySet};
 pub use select::{

@@ -75,7 +75,7 @@ double time_decode(ggml_backend_t backend, const head_shape & sh, int64_t n_kv, 
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * k      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, sh.D, sh.n_head_kv, n_kv, 1);
     ggml_tensor * v      = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, sh.D, sh.n_head_kv, n_kv, 1);
-    ggml_tensor * summ   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, R*B, sh.n_head_kv, n_kv/B, 1);
+    ggml_tensor * summ   = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, GGML_H2O_DECODE_SKETCH_SIZE(sh.D), sh.n_head_kv, n_kv/B, 1);
     ggml_tensor * summ_n = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 3 + R*sh.n_head_kv, 1);
     ggml_tensor * q      = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, sh.D, sh.n_head, 1, 1);
     ggml_tensor * mask   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, 1);

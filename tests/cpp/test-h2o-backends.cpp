@@ -386,7 +386,7 @@ void check_coverage_refusal(ggml_backend_t gpu, const char * name) {
 
 // GGML_OP_H2O_DECODE (patch 0025; the CUDA kernels, patch 0028): decode steps against the CPU on one backend state
 // and one reference state, each carried from call to call as llama's KV cache carries it. The sketch state (each
-// block's F16 sketch, each KV head's channels and the count of blocks sketched) must be bit-identical: the CUDA
+// block's 8-bit sketch, each KV head's channels and the count of blocks sketched) must be bit-identical: the CUDA
 // kernels sum the channel energies and form the estimates in the CPU's order, so they choose the same channels and the
 // same positions. The outputs may differ by float rounding, as the prefill's.
 struct decode_state {
@@ -405,7 +405,7 @@ struct decode_state {
         ctx    = ggml_init(ip);
         k      = ggml_new_tensor_4d(ctx, type_k, sh.D, sh.n_head_kv, sh.kv_size, n_stream);
         v      = ggml_new_tensor_4d(ctx, type_v, sh.D, sh.n_head_kv, sh.kv_size, n_stream);
-        summ   = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, R*B, sh.n_head_kv, sh.kv_size/B, n_stream);
+        summ   = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, GGML_H2O_DECODE_SKETCH_SIZE(sh.D), sh.n_head_kv, sh.kv_size/B, n_stream);
         summ_n = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 3 + R*sh.n_head_kv, n_stream);
         buf    = ggml_backend_alloc_ctx_tensors(ctx, backend);
         state::set_as(k, kv_k);
@@ -429,7 +429,7 @@ struct decode_state {
 
 struct decode_result {
     std::vector<float>    out;
-    std::vector<uint16_t> summ;
+    std::vector<uint8_t>  summ;
     std::vector<int32_t>  summ_n;
     std::vector<float>    keys_read; // per stream, the positions a query head read (ggml_h2o_decode_set_keys_read)
     bool                  supported = true;
