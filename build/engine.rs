@@ -310,6 +310,9 @@ fn common_flags(
     let native = env::var("H2O_LLAMA_NATIVE")
         .map(|v| v != "0")
         .unwrap_or(true);
+    // a CPU to build for other than this one (`x86-64-v3`: AVX2 machines), so that a build here
+    // runs there and the vector paths of another CPU can be tested here
+    let march = env::var("H2O_LLAMA_MARCH").ok().filter(|m| !m.is_empty());
     let debug_asserts = env::var("H2O_LLAMA_DEBUG_ASSERTS").is_ok_and(|v| v != "0");
     let mut common: Vec<String> = vec![
         "-O3".into(),
@@ -318,12 +321,16 @@ fn common_flags(
         "-pthread".into(),
     ];
     if matches!(target_arch, "x86_64" | "x86") {
-        if native {
+        if let Some(m) = &march {
+            common.push(format!("-march={m}"));
+        } else if native {
             common.push("-march=native".into());
         }
         // AMX is advertised by some VMs whose hypervisor faults on its instructions (SIGILL in
         // ggml's AMX matmul); the gain for this workload is small, so never emit it.
         common.extend(["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"].map(String::from));
+    } else if let Some(m) = &march {
+        common.push(format!("-mcpu={m}"));
     } else if native {
         common.push("-mcpu=native".into());
     }

@@ -55,6 +55,7 @@ fn main() {
         "H2O_LLAMA_UPSTREAM_DIR",
         "H2O_LLAMA_OBJ_CACHE",
         "H2O_LLAMA_NATIVE",
+        "H2O_LLAMA_MARCH",
         "H2O_LLAMA_SANITIZE",
         "H2O_LLAMA_DEBUG_ASSERTS",
         "CC",
