@@ -1,5 +1,6 @@
-//! Sparse decode (patch 0025, `ggml_h2o_decode`) in f64: which positions a decode step reads,
-//! and the step's attention over them.
+//! Sparse decode (patch 0025, `ggml_h2o_decode`): which positions a decode step reads (its
+//! estimates and gaps formed in the engine's own F32 operations, so that the choice is the
+//! engine's), and the step's attention over them in f64.
 //!
 //! A step at `n` visible positions reads the first `max(ceil(sink/B), 1)` blocks of `B`
 //! positions, the recent window from the block boundary at or below `n - local`, and, of the
