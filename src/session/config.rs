@@ -177,7 +177,7 @@ impl H2oConfig {
     pub const RECOMMENDED_SELECT: Selection = Selection::Hybrid;
     pub const RECOMMENDED_SINK: u32 = 4;
     pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
-    pub const RECOMMENDED_TILE_SAMPLES: u32 = 32;
+    pub const RECOMMENDED_TILE_SAMPLES: u32 = 64;
     pub const RECOMMENDED_TILE_SKETCH: u32 = 4;
     /// Positions a sparse decode step chooses when the flags leave it out.
     pub const RECOMMENDED_DECODE_BUDGET: u32 = 1024;
