@@ -153,8 +153,8 @@ struct Cli {
     /// its estimated attention, in (0, 1] (1: the whole budget)
     #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0)]
     h2o_coverage: f32,
-    /// H2O coverage policy: queries of each tile of 64 that attend to every earlier position to
-    /// choose its memory (1, 2, 4, 8, 16, 32 or 64)
+    /// H2O coverage policy: queries of each tile of 64 that attend to every position before the
+    /// chunk to choose its memory (1, 2, 4, 8, 16, 32 or 64)
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     h2o_tile_samples: u32,
     /// H2O coverage policy: the sampled queries' logits read 1/N of the key channels, those with

@@ -5,8 +5,10 @@
 //! For chunk `c` starting at `cs` and a call's rows of it, per query head and tile:
 //! - **forced**: the sinks `[0, min(sink, cs − L))` and the local window `[cs − L, cs)`;
 //! - **samples**: the tile's rows `i` with `(i − t0) mod e = e − 1`, `e = TILE / samples` (`t0`
-//!   the tile's first position; the tile's last row if it has none), each with its full causal
-//!   attention `p_i` over `[0, i]`; with `sketch` > 1 from logits over only the `d / sketch`
+//!   the tile's first position; the tile's last row if it has none), each with its attention
+//!   `p_i` over the positions before the chunk, `[0, cs)` (a softmax over those only, so that a
+//!   sample whose attention stays in its chunk weighs as much as one that reaches far); with
+//!   `sketch` > 1 from logits over only the `d / sketch`
 //!   channels of most key energy `Σ_j k_j[c]²` over the call's positions `[0, rows.end)` of the
 //!   KV head (ties to the lower channel);
 //! - **proposal**: the candidates `[sink_end, cs − L)` by `Σ_samples p_i(j)`, highest first,
@@ -43,7 +45,8 @@ pub const MAX_HEAVY_FACTOR: usize = 4;
 pub struct CoverageParams {
     /// γ in (0, 1]: a tile takes no more budget once its estimate reaches it.
     pub coverage: f64,
-    /// Queries of each tile that attend to every earlier position (a divisor of [`TILE`]).
+    /// Queries of each tile that attend to every position before the chunk (a divisor of
+    /// [`TILE`]).
     pub samples: usize,
     /// Their logits read `1 / sketch` of the key channels, those of most key energy (1: all).
     pub sketch: usize,
@@ -95,20 +98,21 @@ pub fn tiles_of(cs: usize, rows: &Range<usize>) -> Vec<(usize, Range<usize>)> {
         .collect()
 }
 
-/// The full causal attention of query `i` (row of `q`) over `[0, i]`, from logits over
-/// `channels` only (all without).
-fn causal_attention(
+/// The attention of query `i` (row of `q`) over the positions `[0, end)` alone (those before
+/// its chunk), from logits over `channels` only (all without).
+fn attention_before(
     q: &Matrix,
     k: &Matrix,
     logits: Logits,
     i: usize,
+    end: usize,
     channels: Option<&[usize]>,
 ) -> Vec<f64> {
     let project = |row: &[f64]| -> Vec<f64> {
         channels.map_or_else(|| row.to_vec(), |c| c.iter().map(|&j| row[j]).collect())
     };
     let qi = project(q.row(i));
-    let logits: Vec<f64> = (0..=i)
+    let logits: Vec<f64> = (0..end)
         .map(|j| logits.logit(&qi, &project(k.row(j))))
         .collect();
     let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -161,7 +165,7 @@ pub fn select_by_tiles(
             let samples = tile_samples(*t0, present, cp.samples);
             let attention: Vec<Vec<f64>> = samples
                 .iter()
-                .map(|&i| causal_attention(qh, kh, lg, i, channels))
+                .map(|&i| attention_before(qh, kh, lg, i, cs, channels))
                 .collect();
             let mut score: Vec<(f64, usize)> = candidates
                 .clone()

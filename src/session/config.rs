@@ -102,9 +102,9 @@ pub struct H2oConfig {
     /// covers, as estimated from its sampled queries, reaches this (`--h2o-coverage`), in (0, 1];
     /// 1 spends the whole budget. The same for every sequence of a context.
     pub coverage: f32,
-    /// [`Selection::Coverage`]: queries of each tile of 64 that attend to every earlier position
-    /// to choose its memory (`--h2o-tile-samples`): 1, 2, 4, 8, 16, 32 or 64. More choose better
-    /// and cost more. The same for every sequence of a context.
+    /// [`Selection::Coverage`]: queries of each tile of 64 that attend to every position before
+    /// the chunk to choose its memory (`--h2o-tile-samples`): 1, 2, 4, 8, 16, 32 or 64. More
+    /// choose better and cost more. The same for every sequence of a context.
     pub tile_samples: u32,
     /// [`Selection::Coverage`]: the sampled queries' logits read `1 / tile_sketch` of the key
     /// channels, those of most key energy per KV head (`--h2o-tile-sketch`): 1 (exact), 2, 4
