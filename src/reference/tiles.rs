@@ -8,9 +8,9 @@
 //!   the tile's first position; the tile's last row if it has none), each with its attention
 //!   `p_i` over the positions before the chunk, `[0, cs)` (a softmax over those only, so that a
 //!   sample whose attention stays in its chunk weighs as much as one that reaches far); with
-//!   `sketch` > 1 from logits over only the `d / sketch`
-//!   channels of most key energy `Σ_j k_j[c]²` over the call's positions `[0, rows.end)` of the
-//!   KV head (ties to the lower channel);
+//!   `sketch` > 1 from logits over only the `d / sketch` channels of most key energy
+//!   `Σ_j k_j[c]²` over the call's positions `[0, rows.end)` of the KV head (ties to the lower
+//!   channel);
 //! - **proposal**: the candidates `[sink_end, cs − L)` by `Σ_samples p_i(j)`, highest first,
 //!   ties to the lower position, at most `4·H` of them;
 //! - **ranking**: every row `i` of the tile attends to its chunk up to itself, the forced
