@@ -19,6 +19,7 @@ use crate::{H2oConfig, Model, Session, SessionConfig, Token};
 
 mod allocate;
 mod attention;
+mod estimates;
 pub mod remainder;
 mod strategies;
 
@@ -27,7 +28,8 @@ pub use attention::ChunkAttention;
 pub use strategies::{Granularity, Strategy};
 
 use allocate::{mean_p10, spend, spread, Unit};
-use strategies::{rank, BlockSummaries};
+use estimates::BlockSummaries;
+use strategies::rank;
 
 /// The shape the study measures at.
 #[derive(Debug, Clone, Serialize)]
