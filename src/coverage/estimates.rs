@@ -24,7 +24,7 @@ pub struct BlockSummaries {
     basis: Vec<Vec<f32>>,
 }
 
-/// The most principal directions [`Strategy::SampledLowRank`] may use.
+/// The most principal directions [`super::Strategy::SampledLowRank`] may use.
 const LOW_RANK_MAX: usize = 32;
 
 impl BlockSummaries {

@@ -1,4 +1,4 @@
-//! [`Selection::Coverage`] in the reference: every tile of [`TILE`] queries chooses its own memory,
+//! [`Selection::Coverage`](super::Selection::Coverage) in the reference: every tile of [`TILE`] queries chooses its own memory,
 //! token by token, from the exact attention of a few of its queries, and the tiles of all heads
 //! of a chunk share one budget, spent where the estimated coverage gains most.
 //!

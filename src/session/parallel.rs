@@ -117,7 +117,7 @@ impl<'m> ParallelSession<'m> {
     /// Creates a context on `model` whose `n_seq` sequences share one KV cache of
     /// `config.n_ctx` cells (llama.cpp's `kv_unified`, llama-server's `--kv-unified`): any of
     /// them may grow to the whole cache while the others leave room, and a step that finds no
-    /// room fails with [`DecodeError::NoKvSlot`](crate::DecodeError::NoKvSlot).
+    /// room fails with [`DecodeError::NoKvSlot`].
     ///
     /// # Errors
     /// As [`ParallelSession::new`]; with H2O, [`Error::InvalidConfig`]: each sequence keeps its
