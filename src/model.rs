@@ -184,13 +184,7 @@ impl Model {
     /// cells in llama.cpp, so for such models this is an upper bound.
     #[must_use]
     pub fn kv_cache_bytes(&self, n_ctx: u32, k: CacheType, v: CacheType) -> u64 {
-        let usual = u64::from(self.n_embd()) / u64::from(self.n_head().max(1));
-        let arch = self.meta("general.architecture").unwrap_or_default();
-        let width = |what: &str| {
-            self.meta(&format!("{arch}.attention.{what}_length"))
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(usual)
-        };
+        let width = |what: &str| u64::from(self.head_width(what));
         let n_head_kv = u64::from(self.n_head_kv());
         let row = |t: CacheType, width: u64| {
             let n = i64::try_from(n_head_kv * width).unwrap_or(i64::MAX);
@@ -200,6 +194,21 @@ impl Model {
         (row(k, width("key")) + row(v, width("value")))
             * u64::from(self.n_layer())
             * u64::from(n_ctx)
+    }
+
+    /// Channels of a key head: `{arch}.attention.key_length` where the GGUF sets it (Gemma 2,
+    /// Gemma 3 and gpt-oss do), else `n_embd / n_head`.
+    #[must_use]
+    pub fn key_head_width(&self) -> u32 {
+        self.head_width("key")
+    }
+
+    /// `{arch}.attention.{what}_length` (`key` or `value`), else `n_embd / n_head`.
+    fn head_width(&self, what: &str) -> u32 {
+        let arch = self.meta("general.architecture").unwrap_or_default();
+        self.meta(&format!("{arch}.attention.{what}_length"))
+            .and_then(|s| s.parse::<u32>().ok())
+            .unwrap_or_else(|| self.n_embd() / self.n_head().max(1))
     }
 
     /// The value of a GGUF metadata key as text, where the model has it.

@@ -805,11 +805,36 @@ fn coverage_selection_matches_the_reference_in_every_layer() {
     check_coverage_selection(common::model(), 0.9, 16, 8);
 }
 
-/// Gemma 3 270M, coverage selection on its global layers.
+/// Gemma 3 270M, coverage selection on its global layers; 64 samples on half the channels is
+/// what a session chooses for its 256-channel key heads.
 #[test]
 fn gemma3_coverage_selection_matches_the_reference_on_the_global_layers() {
     check_coverage_selection(common::gemma(), 1.0, 4, 1);
     check_coverage_selection(common::gemma(), 1.0, 32, 4);
+    check_coverage_selection(common::gemma(), 1.0, 64, 2);
+}
+
+/// A coverage policy that leaves the sketch out gets the one recommended for the model's key
+/// heads when the session is created, and the session's config says which: a quarter of
+/// SmolLM2's 64 channels, half of Gemma 3's 256.
+#[test]
+fn the_sketch_left_out_follows_the_width_of_the_key_heads() {
+    for (m, width, sketch) in [(common::model(), 64, 4), (common::gemma(), 256, 2)] {
+        assert_eq!(m.key_head_width(), width);
+        let h2o = H2oConfig {
+            select: Selection::Coverage,
+            ..H2oConfig::new(L as u32, H as u32)
+        };
+        assert_eq!(h2o.tile_sketch, H2oConfig::TILE_SKETCH_BY_HEAD);
+        let s = Session::new(m, config(h2o)).unwrap();
+        assert_eq!(s.config().h2o.map(|h| h.tile_sketch), Some(sketch));
+        let chosen = H2oConfig {
+            tile_sketch: 8,
+            ..h2o
+        };
+        let s = Session::new(m, config(chosen)).unwrap();
+        assert_eq!(s.config().h2o.map(|h| h.tile_sketch), Some(8));
+    }
 }
 
 /// Every head's arithmetic is the same whichever thread runs it, so coverage selection's logits

@@ -155,6 +155,14 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         std::fs::create_dir_all(dir)?;
     }
     let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    // what the policies leave to the model (the sketch), chosen now so that the record names it
+    let contenders: Vec<Contender> = contenders
+        .into_iter()
+        .map(|c| Contender {
+            h2o: c.h2o.map(|h2o| h2o.for_model(&model)),
+            ..c
+        })
+        .collect();
     let max_len = *args.lengths.iter().max().unwrap_or(&0);
     let n_train = model.n_ctx_train() as usize;
     if max_len + ANSWER_ROOM > n_train {

@@ -178,8 +178,9 @@ struct H2oPolicy {
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     tile_samples: u32,
     /// H2O coverage policy: the sampled queries' logits read 1/N of the key channels, those with
-    /// the most key energy (1: exact; 2, 4 or 8 cost that share, so more samples fit)
-    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SKETCH)]
+    /// the most key energy (1: exact; 2, 4 or 8 cost that share, so more samples fit; 0: by the
+    /// model's key heads, a quarter of up to 128 channels, half of wider ones)
+    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::TILE_SKETCH_BY_HEAD)]
     tile_sketch: u32,
     /// H2O decode: full (each generated token reads the whole cache) or sparse (the first block,
     /// the last --h2o-local positions, and the --h2o-decode-budget positions its query points at,
@@ -604,7 +605,7 @@ fn report(
             n_batch: config.n_batch,
             n_ubatch: config.n_ubatch,
             n_ctx: session.n_ctx(),
-            h2o: config.h2o,
+            h2o: session.config().h2o,
             time_to_first_token_ms: t.time_to_first_token.as_secs_f64() * 1e3,
             prefill_ms: t.prefill.as_secs_f64() * 1e3,
             prefill_tokens_per_second: t.prefill_tokens_per_second(),

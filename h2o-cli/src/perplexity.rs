@@ -202,15 +202,11 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     let base = session_config(args);
     // the main shape first (unless L = H = 0: full attention only, how the stock build, which
     // has no H2O, takes part), then the ablation's; each scored once
-    let mut shapes: Vec<H2oConfig> = Vec::new();
-    for shape in std::iter::once(args.shape.config())
-        .filter(H2oConfig::is_enabled)
-        .chain(args.ablate.iter().copied())
-    {
-        if !shapes.contains(&shape) {
-            shapes.push(shape);
-        }
-    }
+    let shapes = distinct(
+        std::iter::once(args.shape.config())
+            .filter(H2oConfig::is_enabled)
+            .chain(args.ablate.iter().copied()),
+    );
     base.validate()?;
     for &shape in &shapes {
         SessionConfig {
@@ -227,6 +223,8 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     }
     let text = crate::read_text_file(&args.file, "text file")?;
     let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    // what the shapes leave to the model (the sketch), chosen now so that the record names it
+    let shapes = distinct(shapes.iter().map(|shape| shape.for_model(&model)));
     let tokens = model.tokenize(&text, true, false)?;
     let options = WindowOptions {
         max_windows: args.chunks,
@@ -285,6 +283,17 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The shapes in order, each once.
+fn distinct(shapes: impl Iterator<Item = H2oConfig>) -> Vec<H2oConfig> {
+    let mut seen: Vec<H2oConfig> = Vec::new();
+    for shape in shapes {
+        if !seen.contains(&shape) {
+            seen.push(shape);
+        }
+    }
+    seen
 }
 
 /// `--decode-tail N`: sparse decode against full-attention decode on each window's last N tokens.

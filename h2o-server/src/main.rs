@@ -158,8 +158,9 @@ struct Cli {
     #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
     h2o_tile_samples: u32,
     /// H2O coverage policy: the sampled queries' logits read 1/N of the key channels, those with
-    /// the most key energy (1: exact; 2, 4 or 8)
-    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SKETCH)]
+    /// the most key energy (1: exact; 2, 4 or 8; 0: by the model's key heads, a quarter of up to
+    /// 128 channels, half of wider ones)
+    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::TILE_SKETCH_BY_HEAD)]
     h2o_tile_sketch: u32,
     /// H2O decode: full (each generated token reads the slot's whole cache) or sparse (the first
     /// block, the last --h2o-local positions and the --h2o-decode-budget positions its query

@@ -268,6 +268,7 @@ impl<'m> Session<'m> {
     /// [`Error::ContextInit`] with llama.cpp's reason when it cannot create the context.
     pub fn new(model: &'m Model, config: SessionConfig) -> Result<Self> {
         config.validate()?;
+        let config = config.for_model(model);
         backend::init();
         #[allow(unused_mut)] // the attention capture sets the eval callback
         let mut cp = context_params(&config);
@@ -322,7 +323,8 @@ impl<'m> Session<'m> {
     }
 
     /// The parameters this session was created with, with `n_batch` and `n_ubatch` as llama.cpp
-    /// put them into effect (capped at the context size).
+    /// put them into effect (capped at the context size) and what they left to the model chosen
+    /// ([`SessionConfig::for_model`]).
     #[must_use]
     pub fn config(&self) -> &SessionConfig {
         &self.config

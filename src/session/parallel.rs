@@ -147,7 +147,7 @@ impl<'m> ParallelSession<'m> {
             )));
         }
         backend::init();
-        let mut config = config;
+        let mut config = config.for_model(model);
         // see the module documentation; a quantized V cache needs flash attention, as llama.cpp
         // says, so auto stays auto (on) with one
         if n_seq > 1
@@ -204,7 +204,8 @@ impl<'m> ParallelSession<'m> {
         self.model
     }
 
-    /// The parameters in effect (`n_ctx` per sequence, `n_batch` and `n_ubatch` as capped).
+    /// The parameters in effect (`n_ctx` per sequence, `n_batch` and `n_ubatch` as capped, what
+    /// they left to the model chosen: [`SessionConfig::for_model`]).
     #[must_use]
     pub fn config(&self) -> &SessionConfig {
         &self.config

@@ -240,7 +240,7 @@ fn run(
         n_ctx_slot: session.n_ctx_seq(),
         n_ubatch: session.config().n_ubatch,
         flash_attn: session.config().flash_attn,
-        h2o: config.h2o.filter(H2oConfig::is_enabled),
+        h2o: session.config().h2o.filter(H2oConfig::is_enabled),
         n_vocab: model.n_vocab(),
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)
