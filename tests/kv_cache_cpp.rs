@@ -59,10 +59,10 @@ fn h2o_attention_backends_agree() {
     // it skips exactly when the build has no GPU backend
     let skipped = stdout.contains("skipped: no GPU backend");
     assert_eq!(skipped, stdout.contains("\n0 GPU backend(s)"), "{stdout}");
-    // every case compared on every backend (the stand-in CPU one included): 24 comparisons of the
+    // every case compared on every backend (the stand-in CPU one included): 25 comparisons of the
     // prefill op each (7 of the seed rule, 6 of sinks, query-aware and hybrid selection and the
-    // dense tail, 5 of coverage selection, 6 of soft-capping, learned sinks and BF16 or quantized
-    // K/V) and 9 of the sparse decode op
+    // dense tail, 6 of coverage selection, one on Gemma 3's 256-channel heads, 6 of soft-capping,
+    // learned sinks and BF16 or quantized K/V) and 10 of the sparse decode op
     let n_compared = stdout.matches(" memory slots differ").count();
     let n_decode = stdout.matches(" channels or counts differ").count();
     let n_backends = if skipped {
@@ -70,7 +70,7 @@ fn h2o_attention_backends_agree() {
     } else {
         stdout.matches("coverage selection with H = ").count()
     };
-    assert_eq!(n_compared, 24 * n_backends, "{stdout}");
+    assert_eq!(n_compared, 25 * n_backends, "{stdout}");
     assert_eq!(n_decode, 10 * n_backends, "{stdout}");
     if skipped {
         assert!(stdout.contains("CPU, 3 threads"), "{stdout}");

@@ -94,6 +94,23 @@ struct state {
     }
 };
 
+// the inputs of the cases: queries of n_positions positions and the whole cache's K and V, all N(0, 1) from one seed
+struct inputs {
+    std::vector<float>       q;
+    std::vector<ggml_fp16_t> kv_k;
+    std::vector<ggml_fp16_t> kv_v;
+    float                    max_v = 0.0f; // the largest |V|
+
+    inputs(const shape & sh, int32_t n_positions, uint32_t seed)
+        : q((size_t) n_positions*sh.n_head*sh.D), kv_k((size_t) sh.kv_size*sh.n_head_kv*sh.D), kv_v(kv_k.size()) {
+        std::mt19937 rng(seed);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (float & x : q) { x = nd(rng); }
+        for (auto & x : kv_k) { x = ggml_fp32_to_fp16(nd(rng)); }
+        for (auto & x : kv_v) { const float f = nd(rng); x = ggml_fp32_to_fp16(f); max_v = std::max(max_v, std::fabs(f)); }
+    }
+};
+
 // the attention logits of a call (ggml_h2o_attn_set_logits): a soft-cap, and learned sinks of every head
 struct logit_opts {
     float                      softcap = 0.0f;
@@ -321,6 +338,23 @@ void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * n
                     run_call(other, got_st, sh, q, n1, n2, 0, 1, cov, 4, no_tail, 1.0f, 1), sh, max_v, exact);
         }
     }
+}
+
+// Gemma 3's global layers: heads of 256 channels, one KV head for four query heads, where a session's coverage
+// selection takes 64 samples per tile on half the key channels (H2oConfig::recommended_tile_sketch). One comparison.
+void run_wide_head_coverage_case(ggml_backend_t cpu, ggml_backend_t other, const char * name, bool exact) {
+    shape sh;
+    sh.D         = 256;
+    sh.n_head    = 4;
+    sh.n_head_kv = 1;
+    const int32_t n = 3*sh.S + 40;
+    const inputs in(sh, n, 7);
+    state ref_st(cpu, sh, in.kv_k, in.kv_v);
+    state got_st(other, sh, in.kv_k, in.kv_v);
+    const ggml_h2o_select cov = GGML_H2O_SELECT_COVERAGE;
+    compare("one call, coverage, 64 samples on half of 256 key channels", name,
+            run_call(cpu,   ref_st, sh, in.q, 0, n, -1, -1, cov, 4, 3*sh.S + 16, 1.0f, 64, {}, 2),
+            run_call(other, got_st, sh, in.q, 0, n, -1, -1, cov, 4, 3*sh.S + 16, 1.0f, 64, {}, 2), sh, in.max_v, exact);
 }
 
 // The model-specific attention arithmetic (patch 0020) and cache types (patch 0021): a soft-cap that binds (logits
@@ -648,16 +682,11 @@ int main() {
     ggml_backend_load_all();
     const shape sh;
 
-    std::mt19937 rng(42);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    const int32_t n_positions = 3*sh.S + 40;
-    std::vector<float> q((size_t) n_positions*sh.n_head*sh.D);
-    std::vector<ggml_fp16_t> kv_k((size_t) sh.kv_size*sh.n_head_kv*sh.D);
-    std::vector<ggml_fp16_t> kv_v(kv_k.size());
-    float max_v = 0.0f;
-    for (float & x : q) { x = nd(rng); }
-    for (auto & x : kv_k) { x = ggml_fp32_to_fp16(nd(rng)); }
-    for (auto & x : kv_v) { const float f = nd(rng); x = ggml_fp32_to_fp16(f); max_v = std::max(max_v, std::fabs(f)); }
+    const inputs in(sh, 3*sh.S + 40, 42);
+    const std::vector<float> & q = in.q;
+    const std::vector<ggml_fp16_t> & kv_k = in.kv_k;
+    const std::vector<ggml_fp16_t> & kv_v = in.kv_v;
+    const float max_v = in.max_v;
 
     // the reference: the CPU backend on one thread
     ggml_backend_t cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
@@ -679,6 +708,7 @@ int main() {
         std::printf("%s (%s)\n", name, ggml_backend_dev_description(dev));
         run_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
         run_coverage_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
+        run_wide_head_coverage_case(cpu, gpu, name, false);
         run_logit_and_cache_cases(cpu, gpu, name, sh, q, kv_k, kv_v, max_v, false);
         run_decode_cases(cpu, gpu, name, sh, max_v, false);
         check_coverage_refusal(gpu, name);
@@ -694,6 +724,7 @@ int main() {
         std::printf("CPU, 3 threads (stands in for a GPU)\n");
         run_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
         run_coverage_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
+        run_wide_head_coverage_case(cpu, cpu3, "CPU x3", true);
         run_logit_and_cache_cases(cpu, cpu3, "CPU x3", sh, q, kv_k, kv_v, max_v, true);
         run_decode_cases(cpu, cpu3, "CPU x3", sh, max_v, true);
         ggml_backend_free(cpu3);
