@@ -188,7 +188,12 @@ fn a_sequence_runs_its_own_memory_selection() {
     let mut p = ParallelSession::new(m, config(h2o()), 2).unwrap();
     p.start_prompt(0, &prompts[0], None).unwrap();
     p.start_prompt(1, &prompts[0], Some(hybrid)).unwrap();
-    assert_eq!((p.h2o(0), p.h2o(1)), (h2o(), Some(hybrid)));
+    // a sketch left out is the context's, chosen for the model's key heads
+    let resolved = |h: H2oConfig| h.for_model(m);
+    assert_eq!(
+        (p.h2o(0), p.h2o(1)),
+        (h2o().map(resolved), Some(resolved(hybrid)))
+    );
     let got = together(&mut p, &[prompts[0].clone(), prompts[0].clone()], &[0, 0]);
     assert_eq!(got[0], alone(&prompts[0], h2o()));
     assert_eq!(got[1], alone(&prompts[0], Some(hybrid)));
@@ -211,11 +216,38 @@ fn a_sequence_runs_its_own_memory_selection() {
 
     // a new selection starts the sequence over; L and H are the context's
     assert_eq!(p.start_prompt(1, &prompts[0], None).unwrap(), 0);
-    assert_eq!(p.h2o(1), h2o());
+    assert_eq!(p.h2o(1), h2o().map(resolved));
     let err = p
         .start_prompt(1, &prompts[0], Some(H2oConfig::seed(8, 24)))
         .unwrap_err();
     assert!(err.to_string().contains("L = 16, H = 16"), "{err}");
+    // what is set for the whole context is not a sequence's to change
+    for (other, flag) in [
+        (
+            H2oConfig {
+                tile_samples: 8,
+                ..hybrid
+            },
+            "--h2o-tile-samples",
+        ),
+        (
+            H2oConfig {
+                tile_sketch: 2,
+                ..hybrid
+            },
+            "--h2o-tile-sketch",
+        ),
+        (
+            H2oConfig {
+                coverage: 0.9,
+                ..hybrid
+            },
+            "--h2o-coverage",
+        ),
+    ] {
+        let err = p.start_prompt(1, &prompts[0], Some(other)).unwrap_err();
+        assert!(err.to_string().contains(flag), "{err}");
+    }
 }
 
 #[test]

@@ -273,7 +273,9 @@ impl<'m> ParallelSession<'m> {
     }
 
     /// Prepares sequence `seq` for `prompt` with memory selection `h2o` (its `local` and
-    /// `heavy` must be the context's; `None`: the context's selection): keeps the longest
+    /// `heavy` must be the context's, and so must what is set for the whole context: coverage
+    /// selection's target, samples and sketch, where a sketch left out is the context's, and
+    /// sparse decode's coverage; `None`: the context's selection): keeps the longest
     /// prefix of what the sequence holds that a fresh prefill of `prompt` would reach unchanged
     /// (with H2O, up to a chunk boundary; none when the selection changes), and returns how many
     /// tokens it kept. Evaluate the rest, `prompt[kept..]`, with [`ParallelSession::prefill`].
@@ -311,15 +313,12 @@ impl<'m> ParallelSession<'m> {
                 "H2O per sequence needs a context with H2O on (--h2o-local/--h2o-heavy)".into(),
             ));
         }
+        let want = match (want, default) {
+            (Some(w), Some(d)) => Some(Self::context_wide(w, d)?),
+            (w, _) => w,
+        };
         if let (Some(w), Some(d)) = (want, default) {
             self.check_decode_budget(w.decode_budget, d.decode_budget)?;
-            if w.decode_coverage != d.decode_coverage {
-                return Err(Error::InvalidConfig(format!(
-                    "a sequence's sparse decode coverage is the context's ({}; asked: {}): \
-                     --h2o-decode-coverage is set for the whole context",
-                    d.decode_coverage, w.decode_coverage
-                )));
-            }
         }
         let book = &self.seqs[seq as usize];
         let keep = if selection(book.h2o) == selection(want) {
@@ -341,6 +340,54 @@ impl<'m> ParallelSession<'m> {
         }
         self.set_decode_budget(seq, want)?;
         Ok(kept as usize)
+    }
+
+    /// A sequence's selection `w` with what is set for the whole context `d` (coverage
+    /// selection's target, samples and sketch, sparse decode's coverage): the context's, a sketch
+    /// left out ([`H2oConfig::TILE_SKETCH_BY_HEAD`]) included, or an error naming the flag.
+    fn context_wide(w: H2oConfig, d: H2oConfig) -> Result<H2oConfig> {
+        let w = H2oConfig {
+            tile_sketch: match w.tile_sketch {
+                H2oConfig::TILE_SKETCH_BY_HEAD => d.tile_sketch,
+                n => n,
+            },
+            ..w
+        };
+        let differs = |flag: &str, context: String, asked: String| {
+            Err(Error::InvalidConfig(format!(
+                "a sequence's {flag} is the context's ({context}; asked: {asked}): it is set for \
+                 the whole context"
+            )))
+        };
+        if w.decode_coverage != d.decode_coverage {
+            return differs(
+                "sparse decode coverage --h2o-decode-coverage",
+                d.decode_coverage.to_string(),
+                w.decode_coverage.to_string(),
+            );
+        }
+        if w.coverage != d.coverage {
+            return differs(
+                "coverage target --h2o-coverage",
+                d.coverage.to_string(),
+                w.coverage.to_string(),
+            );
+        }
+        if w.tile_samples != d.tile_samples {
+            return differs(
+                "--h2o-tile-samples",
+                d.tile_samples.to_string(),
+                w.tile_samples.to_string(),
+            );
+        }
+        if w.tile_sketch != d.tile_sketch {
+            return differs(
+                "--h2o-tile-sketch",
+                d.tile_sketch.to_string(),
+                w.tile_sketch.to_string(),
+            );
+        }
+        Ok(w)
     }
 
     /// A sequence's decode budget `want` where the context's is `context`: 0 (full attention)
