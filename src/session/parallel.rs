@@ -353,39 +353,33 @@ impl<'m> ParallelSession<'m> {
             },
             ..w
         };
-        let differs = |flag: &str, context: String, asked: String| {
-            Err(Error::InvalidConfig(format!(
-                "a sequence's {flag} is the context's ({context}; asked: {asked}): it is set for \
-                 the whole context"
-            )))
-        };
-        if w.decode_coverage != d.decode_coverage {
-            return differs(
+        let fields = [
+            (
                 "sparse decode coverage --h2o-decode-coverage",
                 d.decode_coverage.to_string(),
                 w.decode_coverage.to_string(),
-            );
-        }
-        if w.coverage != d.coverage {
-            return differs(
+            ),
+            (
                 "coverage target --h2o-coverage",
                 d.coverage.to_string(),
                 w.coverage.to_string(),
-            );
-        }
-        if w.tile_samples != d.tile_samples {
-            return differs(
+            ),
+            (
                 "--h2o-tile-samples",
                 d.tile_samples.to_string(),
                 w.tile_samples.to_string(),
-            );
-        }
-        if w.tile_sketch != d.tile_sketch {
-            return differs(
+            ),
+            (
                 "--h2o-tile-sketch",
                 d.tile_sketch.to_string(),
                 w.tile_sketch.to_string(),
-            );
+            ),
+        ];
+        if let Some((flag, context, asked)) = fields.into_iter().find(|(_, c, a)| c != a) {
+            return Err(Error::InvalidConfig(format!(
+                "a sequence's {flag} is the context's ({context}; asked: {asked}): it is set for \
+                 the whole context"
+            )));
         }
         Ok(w)
     }
