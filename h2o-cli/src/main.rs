@@ -9,19 +9,20 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use h2o_flags::{H2oFlags, H2oPolicy};
 use h2o_llama::{
     default_model, demo, llama_flags, models, CacheType, Error, FlashAttention, Generation,
-    H2oConfig, H2oState, Model, ModelParams, PromptCache, Sampler, SamplerConfig, Selection,
-    Session, SessionConfig,
+    H2oConfig, H2oState, Model, ModelParams, PromptCache, Sampler, SamplerConfig, Session,
+    SessionConfig,
 };
 
-/// Exit codes (documented in README): distinct per failure class.
 mod bench;
 mod coverage;
 mod eval;
 mod heavy_hitters;
 mod perplexity;
 
+/// Exit codes (documented in README): distinct per failure class.
 mod exit {
     #[allow(dead_code)] // clap exits with it itself; listed so the table is complete
     pub const USAGE: u8 = 2;
@@ -102,24 +103,8 @@ struct Cli {
     /// Random seed [default: random]
     #[arg(long)]
     seed: Option<u32>,
-    /// H2O: recent tokens L kept from the previous chunk (0 with --h2o-heavy 0 = off)
-    #[arg(
-        long,
-        value_name = "L",
-        default_value_t = 0,
-        allow_negative_numbers = true
-    )]
-    h2o_local: i64,
-    /// H2O: heavy-hitter tokens H kept by accumulated attention score
-    #[arg(
-        long,
-        value_name = "H",
-        default_value_t = 0,
-        allow_negative_numbers = true
-    )]
-    h2o_heavy: i64,
     #[command(flatten)]
-    policy: H2oPolicy,
+    h2o: H2oFlags,
     /// Print one JSON record on stdout instead of text + summary
     #[arg(long)]
     json: bool,
@@ -140,108 +125,6 @@ struct Cli {
     synthetic_prompt: Option<usize>,
     #[command(subcommand)]
     command: Option<Command>,
-}
-
-/// How generated tokens attend (`--h2o-decode`).
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-enum DecodeMode {
-    /// every step reads the whole cache (llama.cpp's decode)
-    Full,
-    /// every step reads its sinks, recent window and the positions its query points at
-    Sparse,
-}
-
-/// How H2O chooses its memory, as every command takes it; defaults are the library's
-/// recommendation ([`H2oConfig::new`]).
-#[derive(clap::Args, Debug, Clone, Copy)]
-struct H2oPolicy {
-    /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
-    /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
-    /// keys), hybrid (half query, half accumulated attention), coverage (each tile of 64 queries
-    /// its own memory from sampled queries; budgets shared by the heads where they cover most)
-    #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
-    select: Selection,
-    /// H2O: the first N positions always stay in memory (out of the heavy budget)
-    /// [default: 4, at most --h2o-heavy]
-    #[arg(long = "h2o-sink", value_name = "N")]
-    sink: Option<u32>,
-    /// H2O: the last T tokens of a prompt attend to the whole prompt (a longer tail than the
-    /// prompt covers all of it)
-    #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
-    dense_tail: u32,
-    /// H2O coverage policy: a tile takes no more budget once its memory covers this share of
-    /// its estimated attention, in (0, 1] (1: the whole budget -L + -H on average)
-    #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0)]
-    coverage: f32,
-    /// H2O coverage policy: queries of each tile of 64 that attend to every position before the
-    /// chunk to choose its memory (1, 2, 4, 8, 16, 32 or 64; more choose better and cost more)
-    #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
-    tile_samples: u32,
-    /// H2O coverage policy: the sampled queries' logits read 1/N of the key channels, those with
-    /// the most key energy (1: exact; 2, 4 or 8 cost that share, so more samples fit; 0: by the
-    /// model's key heads, a quarter of up to 128 channels, half of wider ones)
-    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::TILE_SKETCH_BY_HEAD)]
-    tile_sketch: u32,
-    /// H2O decode: full (each generated token reads the whole cache) or sparse (the first block,
-    /// the last --h2o-local positions, and the --h2o-decode-budget positions its query points at,
-    /// by logits estimated from a quarter of the key channels; the cache is kept whole)
-    #[arg(long = "h2o-decode", value_name = "MODE", value_enum, default_value_t = DecodeMode::Full)]
-    decode: DecodeMode,
-    /// H2O sparse decode: positions a step chooses, besides the first block and the recent
-    /// window (at most -c)
-    #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
-    decode_budget: u32,
-    /// H2O sparse decode: of its budget, a step takes only the fewest positions whose estimated
-    /// attention holds this share of all those between the sinks and the window, in (0, 1]
-    /// (1: the whole budget; the budget is then a cap)
-    #[arg(
-        long = "h2o-decode-coverage",
-        value_name = "GAMMA",
-        default_value_t = 1.0
-    )]
-    decode_coverage: f32,
-}
-
-impl H2oPolicy {
-    fn config(&self, local: u32, heavy: u32) -> H2oConfig {
-        let mut h2o = H2oConfig::new(local, heavy);
-        h2o.select = self.select;
-        h2o.sink = self.sink.unwrap_or(h2o.sink);
-        h2o.dense_tail = self.dense_tail;
-        h2o.coverage = self.coverage;
-        h2o.tile_samples = self.tile_samples;
-        h2o.tile_sketch = self.tile_sketch;
-        h2o.decode_budget = if self.decode == DecodeMode::Sparse {
-            self.decode_budget
-        } else {
-            0
-        };
-        h2o.decode_coverage = self.decode_coverage;
-        h2o
-    }
-
-    /// The flags that give this policy to another h2o-cli process.
-    fn args(&self) -> Vec<String> {
-        let mut a = vec!["--h2o-select".into(), self.select.to_string()];
-        if let Some(sink) = self.sink {
-            a.extend(["--h2o-sink".into(), sink.to_string()]);
-        }
-        a.extend(["--h2o-dense-tail".into(), self.dense_tail.to_string()]);
-        a.extend(["--h2o-coverage".into(), self.coverage.to_string()]);
-        a.extend(["--h2o-tile-samples".into(), self.tile_samples.to_string()]);
-        a.extend(["--h2o-tile-sketch".into(), self.tile_sketch.to_string()]);
-        let mode = match self.decode {
-            DecodeMode::Full => "full",
-            DecodeMode::Sparse => "sparse",
-        };
-        a.extend(["--h2o-decode".into(), mode.into()]);
-        a.extend(["--h2o-decode-budget".into(), self.decode_budget.to_string()]);
-        a.extend([
-            "--h2o-decode-coverage".into(),
-            self.decode_coverage.to_string(),
-        ]);
-        a
-    }
 }
 
 /// The H2O shape the `bench` and `perplexity` subcommands share: chunk size S and memory L + H,
@@ -422,21 +305,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
 
 /// The session the flags describe.
 fn session_config(cli: &Cli) -> Result<SessionConfig> {
-    // Taken as signed so that a negative value gets a message naming the flag, not clap's
-    // "unexpected argument '-5'".
-    let count = |flag: &str, v: i64| {
-        u32::try_from(v).map_err(|_| {
-            Error::InvalidConfig(format!(
-                "{flag} must be between 0 and {}, got {v}",
-                u32::MAX
-            ))
-        })
-    };
-    let h2o = cli.policy.config(
-        count("--h2o-local", cli.h2o_local)?,
-        count("--h2o-heavy", cli.h2o_heavy)?,
-    );
-    h2o.check_decode_needs_h2o()?;
+    let h2o = cli.h2o.config()?;
     Ok(SessionConfig {
         n_ctx: cli.ctx_size,
         n_batch: cli.batch_size,
@@ -445,7 +314,7 @@ fn session_config(cli: &Cli) -> Result<SessionConfig> {
         flash_attn: cli.flash_attn,
         cache_type_k: cli.cache_type_k,
         cache_type_v: cli.cache_type_v,
-        h2o: h2o.is_enabled().then_some(h2o),
+        h2o,
         ..SessionConfig::default()
     })
 }

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use h2o_flags::H2oFlags;
 use h2o_llama::{
-    default_model, llama_flags, models, CacheType, Error, FlashAttention, H2oConfig, Selection,
-    SessionConfig,
+    default_model, llama_flags, models, CacheType, Error, FlashAttention, SessionConfig,
 };
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
@@ -119,67 +119,8 @@ struct Cli {
     /// Largest request body in bytes; larger ones are answered 413
     #[arg(long, value_name = "BYTES", default_value_t = 8 * 1024 * 1024)]
     max_body: usize,
-    /// H2O: recent tokens L kept from the previous chunk (0 with --h2o-heavy 0 = off)
-    #[arg(
-        long,
-        value_name = "L",
-        default_value_t = 0,
-        allow_negative_numbers = true
-    )]
-    h2o_local: i64,
-    /// H2O: heavy-hitter tokens H kept by the selection policy
-    #[arg(
-        long,
-        value_name = "H",
-        default_value_t = 0,
-        allow_negative_numbers = true
-    )]
-    h2o_heavy: i64,
-    /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
-    /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
-    /// keys), hybrid (half query, half accumulated attention), coverage (each tile of 64 queries
-    /// its own memory from sampled queries; budgets shared by the heads where they cover most)
-    #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
-    h2o_select: Selection,
-    /// H2O: the first N positions always stay in memory (out of the heavy budget)
-    /// [default: 4, at most --h2o-heavy]
-    #[arg(long = "h2o-sink", value_name = "N")]
-    h2o_sink: Option<u32>,
-    /// H2O: the last T tokens of a prompt attend to the whole prompt (a longer tail than the
-    /// prompt covers all of it)
-    #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
-    h2o_dense_tail: u32,
-    /// H2O coverage policy: a tile takes no more budget once its memory covers this share of
-    /// its estimated attention, in (0, 1] (1: the whole budget)
-    #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0)]
-    h2o_coverage: f32,
-    /// H2O coverage policy: queries of each tile of 64 that attend to every position before the
-    /// chunk to choose its memory (1, 2, 4, 8, 16, 32 or 64)
-    #[arg(long = "h2o-tile-samples", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_TILE_SAMPLES)]
-    h2o_tile_samples: u32,
-    /// H2O coverage policy: the sampled queries' logits read 1/N of the key channels, those with
-    /// the most key energy (1: exact; 2, 4 or 8; 0: by the model's key heads, a quarter of up to
-    /// 128 channels, half of wider ones)
-    #[arg(long = "h2o-tile-sketch", value_name = "N", default_value_t = H2oConfig::TILE_SKETCH_BY_HEAD)]
-    h2o_tile_sketch: u32,
-    /// H2O decode: full (each generated token reads the slot's whole cache) or sparse (the first
-    /// block, the last --h2o-local positions and the --h2o-decode-budget positions its query
-    /// points at, by logits estimated from a quarter of the key channels; the cache is kept whole)
-    #[arg(long = "h2o-decode", value_name = "MODE", default_value = "full",
-          value_parser = ["full", "sparse"])]
-    h2o_decode: String,
-    /// H2O sparse decode: positions a step chooses (at most a slot's context)
-    #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
-    h2o_decode_budget: u32,
-    /// H2O sparse decode: of its budget, a step takes only the fewest positions whose estimated
-    /// attention holds this share of all those between the sinks and the window, in (0, 1] (1:
-    /// the whole budget); the same for every slot
-    #[arg(
-        long = "h2o-decode-coverage",
-        value_name = "GAMMA",
-        default_value_t = 1.0
-    )]
-    h2o_decode_coverage: f32,
+    #[command(flatten)]
+    h2o: H2oFlags,
     /// The model's name in /v1/models and in answers; several, comma-separated, are aliases
     /// [default: the model's file name]
     #[arg(short = 'a', long, value_name = "NAME")]
@@ -322,32 +263,7 @@ fn exit_code(e: &anyhow::Error) -> u8 {
 
 /// What the engine is started with, checked before any download or model load.
 fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
-    // Taken as signed so that a negative value gets a message naming the flag, not clap's
-    // "unexpected argument '-5'".
-    let count = |flag: &str, v: i64| {
-        u32::try_from(v).map_err(|_| {
-            Error::InvalidConfig(format!(
-                "{flag} must be between 0 and {}, got {v}",
-                u32::MAX
-            ))
-        })
-    };
-    let mut h2o = H2oConfig::new(
-        count("--h2o-local", cli.h2o_local)?,
-        count("--h2o-heavy", cli.h2o_heavy)?,
-    );
-    h2o.select = cli.h2o_select;
-    h2o.sink = cli.h2o_sink.unwrap_or(h2o.sink);
-    h2o.dense_tail = cli.h2o_dense_tail;
-    h2o.coverage = cli.h2o_coverage;
-    h2o.tile_samples = cli.h2o_tile_samples;
-    h2o.tile_sketch = cli.h2o_tile_sketch;
-    if cli.h2o_decode == "sparse" {
-        h2o.decode_budget = cli.h2o_decode_budget;
-    }
-    h2o.decode_coverage = cli.h2o_decode_coverage;
-    h2o.check_decode_needs_h2o()?;
-    let h2o = h2o.is_enabled().then_some(h2o);
+    let h2o = cli.h2o.config()?;
     let jinja_template = match (&cli.chat_template_file, &cli.chat_template) {
         (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {
             Error::InvalidConfig(format!(
@@ -646,6 +562,7 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use h2o_llama::Selection;
 
     fn cli(args: &[&str]) -> Cli {
         let argv = std::iter::once("h2o-server")
