@@ -4,6 +4,7 @@
 //! each starts from the same cold state and its peak memory is its own. The schedule (engines
 //! alternating), medians and the table are `h2o_llama::bench`'s.
 
+use std::cell::Cell;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use h2o_llama::bench::{self, Engine, Measurement, Point, Report, Run};
-use h2o_llama::{chart, default_model, models, CacheType};
+use h2o_llama::{chart, default_model, models, CacheType, H2oConfig};
 
 /// `-b` unless given: the design's `-b 4096 -ub 1024`.
 const DEFAULT_BATCH: u32 = 4096;
@@ -111,6 +112,9 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
                 .max(args.shape.ubatch_size),
         })
         .collect();
+    // the sketch the H2O runs chose for this model (a sketch left out is the model's), so that
+    // the record names what ran, as the runs' own records do
+    let chosen_sketch: Cell<Option<u32>> = Cell::new(None);
     let rows = bench::interleaved(&points, args.repetitions, |run| {
         if interrupt.load(Ordering::Relaxed) {
             return Err(h2o_llama::Error::Interrupted.into());
@@ -130,7 +134,11 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
             Engine::Baseline => args.stock_cli.as_deref().unwrap_or(&this),
             Engine::H2o => &this,
         };
-        measure(exe, &model, args, run)
+        let (measurement, sketch) = measure(exe, &model, args, run)?;
+        if run.engine == Engine::H2o {
+            chosen_sketch.set(sketch);
+        }
+        Ok::<_, anyhow::Error>(measurement)
     })?;
     if show_progress {
         eprint!("\r\x1b[K");
@@ -150,7 +158,13 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         cache_type_v: args.cache_type_v.name(),
         h2o_local: args.shape.h2o_local,
         h2o_heavy: args.shape.h2o_heavy,
-        h2o: args.shape.config(),
+        h2o: {
+            let h2o = args.shape.config();
+            H2oConfig {
+                tile_sketch: chosen_sketch.get().unwrap_or(h2o.tile_sketch),
+                ..h2o
+            }
+        },
         repetitions: args.repetitions,
         rows,
     };
@@ -169,8 +183,14 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
 }
 
 /// Runs one prefill in a fresh process (this binary or the stock one, with the same flags but
-/// the `--h2o-*` ones) and reads the figures from its JSON record.
-fn measure(exe: &Path, model: &Path, args: &BenchArgs, run: &Run) -> Result<Measurement> {
+/// the `--h2o-*` ones) and reads the figures from its JSON record, and the coverage sketch its
+/// H2O configuration resolved to (`None` without H2O).
+fn measure(
+    exe: &Path,
+    model: &Path,
+    args: &BenchArgs,
+    run: &Run,
+) -> Result<(Measurement, Option<u32>)> {
     let Point {
         n_prompt: n,
         n_batch,
@@ -217,11 +237,13 @@ fn measure(exe: &Path, model: &Path, args: &BenchArgs, run: &Run) -> Result<Meas
             r["prompt_tokens"]
         );
     }
-    Ok(Measurement {
+    let measurement = Measurement {
         tokens_per_second: field("prefill_tokens_per_second")?,
         prefill_ms: field("prefill_ms")?,
         peak_rss_bytes: r["peak_rss_bytes"].as_u64(),
         h2o_state_bytes: r["h2o_state_bytes"].as_u64().unwrap_or(0),
         kv_cache_bytes: r["kv_cache_bytes"].as_u64().unwrap_or(0),
-    })
+    };
+    let sketch = r["h2o"]["tile_sketch"].as_u64().map(|n| n as u32);
+    Ok((measurement, sketch))
 }

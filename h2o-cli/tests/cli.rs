@@ -568,6 +568,8 @@ fn bench_measures_both_engines_and_reports_the_ratio() {
     assert_png(&png, 960, 600);
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(report["baseline"].as_str().unwrap().contains("not stock"));
+    // the sketch left out is named as the runs chose it for the model's 64-channel key heads
+    assert_eq!(report["h2o"]["tile_sketch"], 4, "{}", report["h2o"]);
     let rows = report["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
     for (row, n) in rows.iter().zip([300, 600]) {
