@@ -5,7 +5,9 @@ spending the budget, the share of each query's attention covered (mean over the 
 then the lowest text's mean and the mean 10th percentile), and the estimator's cost as a share
 of full attention's multiply-adds.
 
-Usage: scripts/study-table.py RECORD.json [RECORD.json ...]"""
+Usage: scripts/study-table.py [--by-text] RECORD.json [RECORD.json ...]
+  --by-text  instead: the mean share covered on each text, for today's policies, the design
+             coverage selection was built on and the oracles (the rows of BY_TEXT)"""
 import json
 import sys
 
@@ -37,6 +39,30 @@ ROWS = [
     ("oracle: per query", "fixed"),
 ]
 
+BY_TEXT = [
+    ("today: seed rule (h2o, sink 0)", "fixed"),
+    ("today: hybrid (sink), the default", "fixed"),
+    ("two stages: sampled queries (1 in 16) + 0 by scores + 0 from the previous tile name 4 H candidates, all queries rank them, per tile", "across heads"),
+    ("oracle: per chunk", "fixed"),
+    ("oracle: per tile", "across heads"),
+    ("oracle: per query", "fixed"),
+]
+
+
+def by_text(paths):
+    records = [json.load(open(p)) for p in paths]
+    texts = [r["text"].split("/")[-1].removesuffix(".txt") for r in records]
+    print(f"{records[0]['n_tokens']} tokens each; the far context's share of the attention, mean over layers: "
+          + ", ".join(f"{t} {sum(l['far_mean'] for l in r['layers']) / len(r['layers']):.3f}"
+                      for t, r in zip(texts, records)) + "\n")
+    print("| memory chosen by | budget | " + " | ".join(texts) + " |")
+    print("|---|---|" + "---:|" * len(texts))
+    for strategy, budget in BY_TEXT:
+        found = [next((x for x in r["rows"] if x["strategy"] == strategy and x["budget"] == budget), None)
+                 for r in records]
+        cells = [f"{f['coverage_mean']:.4f}" if f else "–" for f in found]
+        print(f"| {strategy} | {budget} | " + " | ".join(cells) + " |")
+
 
 def main(paths):
     records = [json.load(open(p)) for p in paths]
@@ -59,6 +85,13 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    if args[:1] == ["--by-text"]:
+        args = args[1:]
+        if not args:
+            sys.exit(__doc__)
+        by_text(args)
+    elif not args:
         sys.exit(__doc__)
-    main(sys.argv[1:])
+    else:
+        main(args)
