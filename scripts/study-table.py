@@ -52,7 +52,7 @@ BY_TEXT = [
 def by_text(paths):
     records = [json.load(open(p)) for p in paths]
     texts = [r["text"].split("/")[-1].removesuffix(".txt") for r in records]
-    print(f"{records[0]['n_tokens']} tokens each; the far context's share of the attention, mean over layers: "
+    print(f"{records[0]['n_tokens']} tokens each; the attention outside the query's chunk (sinks included), mean over layers: "
           + ", ".join(f"{t} {sum(l['far_mean'] for l in r['layers']) / len(r['layers']):.3f}"
                       for t, r in zip(texts, records)) + "\n")
     print("| memory chosen by | budget | " + " | ".join(texts) + " |")
@@ -85,13 +85,8 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args[:1] == ["--by-text"]:
-        args = args[1:]
-        if not args:
-            sys.exit(__doc__)
-        by_text(args)
-    elif not args:
+    per_text = sys.argv[1:2] == ["--by-text"]
+    paths = sys.argv[2:] if per_text else sys.argv[1:]
+    if not paths:
         sys.exit(__doc__)
-    else:
-        main(args)
+    (by_text if per_text else main)(paths)
