@@ -32,7 +32,7 @@ use cmake::build_with_cmake;
 use cpu::build_cpu;
 use objcache::object_cache_dir;
 use patches::apply_patches;
-use source::{obtain_pristine, pinned_package, prepare_tree};
+use source::{obtain_pristine, pinned_package, prepare_tree, sync_tree};
 use version::write_version_headers;
 
 fn main() {
@@ -56,6 +56,8 @@ fn main() {
         "H2O_LLAMA_OBJ_CACHE",
         "H2O_LLAMA_NATIVE",
         "H2O_LLAMA_MARCH",
+        "H2O_LLAMA_CUDA_ARCHS",
+        "CUDA_PATH",
         "H2O_LLAMA_SANITIZE",
         "H2O_LLAMA_DEBUG_ASSERTS",
         "CC",
@@ -66,15 +68,20 @@ fn main() {
     }
 
     let pristine = obtain_pristine(&manifest_dir, &out_dir);
+    // the patched tree is made afresh beside the one the build reads, then synchronised into
+    // it file by file (see sync_tree)
     let tree = out_dir.join("llama.cpp");
-    prepare_tree(&pristine, &tree);
+    let staging = out_dir.join("llama.cpp.next");
+    prepare_tree(&pristine, &staging);
     if stock {
         println!(
             "cargo:warning=h2o-llama: `stock` feature: building pristine llama.cpp without patches"
         );
     } else {
-        apply_patches(&manifest_dir, &tree);
+        apply_patches(&manifest_dir, &staging);
     }
+    sync_tree(&staging, &tree);
+    let _ = std::fs::remove_dir_all(&staging);
     let gen_dir = out_dir.join("gen");
     write_version_headers(&tree, &gen_dir);
 

@@ -135,3 +135,47 @@ pub fn prepare_tree(pristine: &Path, tree: &Path) {
     }
     copy_dir(pristine, tree);
 }
+
+/// Makes `tree` hold what `staging` holds, writing only the files whose bytes differ and
+/// removing those `staging` lacks: files that did not change keep their modification times,
+/// so that the CUDA build (upstream's CMake, which goes by them) recompiles only what a change
+/// of the patches touched instead of the whole backend.
+pub fn sync_tree(staging: &Path, tree: &Path) {
+    fs::create_dir_all(tree).unwrap_or_else(|e| fail(format!("mkdir {}: {e}", tree.display())));
+    let read = |dir: &Path| {
+        fs::read_dir(dir)
+            .unwrap_or_else(|e| fail(format!("read {}: {e}", dir.display())))
+            .map(|e| e.unwrap())
+            .collect::<Vec<_>>()
+    };
+    for entry in read(staging) {
+        let ty = entry.file_type().unwrap();
+        let dst = tree.join(entry.file_name());
+        if ty.is_dir() {
+            if dst.is_file() {
+                let _ = fs::remove_file(&dst);
+            }
+            sync_tree(&entry.path(), &dst);
+        } else if ty.is_file() {
+            let bytes = fs::read(entry.path())
+                .unwrap_or_else(|e| fail(format!("read {}: {e}", entry.path().display())));
+            if fs::read(&dst).ok().as_deref() != Some(bytes.as_slice()) {
+                if dst.is_dir() {
+                    let _ = fs::remove_dir_all(&dst);
+                }
+                fs::write(&dst, &bytes)
+                    .unwrap_or_else(|e| fail(format!("write {}: {e}", dst.display())));
+            }
+        }
+    }
+    for entry in read(tree) {
+        if !staging.join(entry.file_name()).exists() {
+            let path = entry.path();
+            let _ = if entry.file_type().unwrap().is_dir() {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+        }
+    }
+}

@@ -1,46 +1,26 @@
 #!/usr/bin/env bash
 # Compile-checks the CUDA side of the patch series on a machine with no GPU and no CUDA install.
 #
-# NVIDIA publishes the CUDA 13 compiler as PyPI wheels (nvidia-cuda-nvcc, -crt, -runtime, nvvm,
-# cccl, cublas for its headers) that unpack into one toolkit tree, nvidia/cu13. This script
-# installs them once into target/cuda-toolkit (about 1 GB unpacked, mostly cuBLAS libraries),
-# applies the patch series to the pinned llama.cpp in target/cuda-check/llama.cpp, and compiles
-# the CUDA translation units the series adds or changes for the GPUs in CUDA_ARCHS (default 90:
-# H100/H200), with the flags ggml's CMake uses. It runs nothing: the GPU run is
-# scripts/gpu-test.sh on a machine with a GPU.
+# The toolkit comes from PyPI (scripts/cuda-toolkit.sh, once: ~500 MB to download, 1 GB
+# unpacked, in target/cuda-toolkit). This script applies the patch series to the pinned
+# llama.cpp in target/cuda-check/llama.cpp and compiles the CUDA translation units the series
+# adds or changes for the GPUs in CUDA_ARCHS (default 90: H100/H200), with the flags ggml's CMake
+# uses. It runs nothing: the GPU run is scripts/gpu-test.sh on a machine with a GPU.
 #
 #   scripts/cuda-compile-check.sh          # h2o-attn.cu, h2o-decode.cu and ggml-cuda.cu: a few minutes
 #   scripts/cuda-compile-check.sh --all    # every unit of ggml-cuda: hours on 2 cores
 #   CUDA_ARCHS="80;90" scripts/cuda-compile-check.sh
 #
-# The CUDA 12 wheels (nvidia-cuda-nvcc-cu12) ship ptxas but no nvcc driver or cicc, so they cannot
-# compile anything; the CUDA 13 ones can. Not part of CI: it downloads ~500 MB.
+# Not part of CI: it downloads the toolkit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 all=0
 [ "${1:-}" = "--all" ] && all=1
 target="${CARGO_TARGET_DIR:-target}"
-toolkit_dir="$PWD/$target/cuda-toolkit"
-cuda="$toolkit_dir/nvidia/cu13"
+cuda=$(scripts/cuda-toolkit.sh)
 archs="${CUDA_ARCHS:-90}"
 
-# exact versions, so that the check is the same on every machine
-wheels=(
-    nvidia-cuda-nvcc==13.5.37
-    nvidia-cuda-crt==13.5.37
-    nvidia-cuda-runtime==13.5.37
-    nvidia-nvvm==13.5.37
-    nvidia-cuda-cccl==13.3.5.0.6
-    nvidia-cublas==13.10.0.20
-)
-if [ ! -x "$cuda/bin/nvcc" ] || [ ! -f "$toolkit_dir/.complete" ]; then
-    echo "== installing the CUDA 13 compiler and headers from PyPI into $toolkit_dir" >&2
-    rm -rf "$toolkit_dir"
-    python3 -m pip install --disable-pip-version-check -q --no-deps --only-binary=:all: \
-        --target "$toolkit_dir" "${wheels[@]}"
-    touch "$toolkit_dir/.complete"
-fi
 "$cuda/bin/nvcc" --version | tail -2 >&2
 
 tree="$target/cuda-check/llama.cpp"
