@@ -51,6 +51,10 @@ pub struct PerplexityArgs {
     /// CPU threads
     #[arg(short = 't', long)]
     threads: Option<u32>,
+    /// Layers to offload to the GPU (-ngl), with a CUDA build; full attention and every H2O shape
+    /// alike
+    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
+    n_gpu_layers: i32,
     /// KV cache type for K (-ctk), for full attention and every H2O shape alike
     #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
     cache_type_k: CacheType,
@@ -146,6 +150,7 @@ struct Report {
     n_ctx: u32,
     n_batch: u32,
     n_ubatch: u32,
+    n_gpu_layers: i32,
     cache_type_k: CacheType,
     cache_type_v: CacheType,
     /// None: full attention only (L = H = 0)
@@ -222,7 +227,12 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         h2o_llama::chart::check_writable(png).context("--png")?;
     }
     let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let model = crate::load_model(
+        args.model.as_deref(),
+        args.n_gpu_layers,
+        args.json,
+        &interrupt,
+    )?;
     // what the shapes leave to the model (the sketch), chosen now so that the record names it
     let shapes = distinct(shapes.iter().map(|shape| shape.for_model(&model)));
     let tokens = model.tokenize(&text, true, false)?;
@@ -252,6 +262,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         n_ctx: args.ctx_size,
         n_batch: args.batch_size,
         n_ubatch: args.shape.ubatch_size,
+        n_gpu_layers: args.n_gpu_layers,
         cache_type_k: args.cache_type_k,
         cache_type_v: args.cache_type_v,
         h2o: shapes.first().copied(),
@@ -304,7 +315,12 @@ fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool
     };
     base.validate()?;
     let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let model = crate::load_model(
+        args.model.as_deref(),
+        args.n_gpu_layers,
+        args.json,
+        &interrupt,
+    )?;
     let tokens = model.tokenize(&text, true, false)?;
     let progress = ProgressLine::new(args);
     let r = decode_tail::decode_tail(
