@@ -2,15 +2,24 @@
 # The GPU proof and speed runs of the CUDA backend, for a machine with an NVIDIA GPU, nvcc and cmake but no
 # Rust (the `device` machines). Here (needs cargo, pip):
 #
-#   scripts/gpu-test.sh pack [MODEL]  # into target/gpu/: the patched llama.cpp, the C++ tests and harnesses
-#                                # and the synthetic-model script (h2o-gpu-src.tar.gz, ~6 MB); the default
-#                                # model in two halves (model.gguf.part-aa/-ab, 47 MB each, so that each fits
-#                                # one 64 MiB transfer) with its sha256; the default model's tokenizer as a
-#                                # vocab-only GGUF (vocab.gguf, 1.7 MB); the gguf package's wheel
+#   scripts/gpu-test.sh pack [MODEL]  # the patched llama.cpp, the C++ tests and harnesses and the
+#                                # synthetic-model script (h2o-gpu-src.tar.gz, ~6 MB), the default model's
+#                                # tokenizer as a vocab-only GGUF (vocab.gguf, 1.7 MB), the gguf package's
+#                                # wheel and the study texts (texts.tar.xz) into target/gpu; the default
+#                                # model in two halves with its sha256, one in target/gpu-a and one in
+#                                # target/gpu-b (47 MB each, so that each fits one 64 MiB transfer)
+#   scripts/cuda-cross-build.sh  # h2o-cli with CUDA, for the GPU machine, into target/gpu-cli (the
+#                                # end-to-end runs of scripts/gpu-e2e.sh need it)
 #
 # There (each step keeps what it made, and every file it was carried, in $TMPDIR/h2o-gpu, so that a later
 # call of the same warm machine needs to carry only what it adds):
 #
+#   scripts/gpu-test.sh keep     # keeps what this call carried in $TMPDIR/h2o-gpu, for the calls after it
+#   scripts/gpu-test.sh start    # at once: keeps what this call carried; checks that the carried h2o-cli
+#                                # runs there; then in the background (it outlives the call) the op's
+#                                # checks (`backends`, under memcheck, racecheck and synccheck, and
+#                                # `kernels`, into $TMPDIR/h2o-gpu/op-checks.log) and the synthetic models
+#                                # of the speed runs; `gpu-test.sh wait` waits for them
 #   scripts/gpu-test.sh kernels  # nvcc alone, ~30 s: tests/cpp/bench-h2o-cuda-op.cu, the H2O kernels against
 #                                # each other, the memory-set rule and (coverage selection) the tile-memory rule,
 #                                # and their time per layer-chunk
@@ -32,18 +41,16 @@
 #                                # -b 4096 -ub 1024, L = H = 256, -ngl 99, medians of 3: SHAPE is `default`
 #                                # (the default model) or a synthetic shape of scripts/synthetic-model.py
 #                                # (qwen2.5-1.5b, llama-3-8b; random F16 weights, made there in a minute)
+#   scripts/gpu-test.sh model SHAPE[:LAYERS]
+#                                # prints the path of that model, made first if needed (`default`: the
+#                                # default model assembled from its halves)
 #
 # With the device tool (each call carries at most 64 MiB; files stay in /tmp only while calls follow each
-# other within 30 s; README, "CUDA", has the figures these calls made):
-#   run(command="bash scripts/gpu-test.sh kernels && bash scripts/gpu-test.sh build && bash scripts/gpu-test.sh bench qwen2.5-1.5b 1024,4096,8192,16384,32768,65536,131072 $OUT/qwen2.5-1.5b.json",
-#       carry=["target/gpu"])   # after `pack`, target/gpu holds all but model.gguf.part-ab (kept aside by pack)
-#   run(command="bash scripts/gpu-test.sh run && bash scripts/gpu-test.sh bench llama-3-8b:8 ... && ...",
-#       carry=["target/gpu-b"]) # the second half of the default model
-#   run(command="export CARGO_TARGET_DIR=target/gpuop; bash scripts/gpu-test.sh backends; bash scripts/gpu-test.sh kernels",
-#       carry=["target/gpuop"])  # the ops alone, every policy and sparse decode, ~3 min with the start: carries
-#                                # only target/gpuop/gpu/h2o-gpu-src.tar.gz (copied there from target/gpu after pack)
+# other within 30 s), three calls in a row; docs/development.md has them as commands:
+#   1. `start`, carrying target/gpu and target/gpu-cli;  2. `keep`, carrying target/gpu-a;
+#   3. `keep` and scripts/gpu-e2e.sh (which waits for the background checks), carrying target/gpu-b.
 # Where Rust is available with the GPU, the end-to-end checks are the Rust tests and `h2o-cli bench -ngl 99`
-# of a `cargo build --release --features cuda` build (README, CUDA).
+# of a `cargo build --release --features cuda` build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,7 +66,7 @@ gguf_wheel=gguf-$gguf_version-py3-none-any.whl
 # machine kept in $work/carried
 carried() {
     local name=$1 dir
-    for dir in "$gpu" "$target/gpu-b"; do
+    for dir in "$gpu" "$target/gpu-a" "$target/gpu-b" "$target/gpu-cli"; do
         if [ -f "$dir/$name" ]; then
             mkdir -p "$work/carried"
             [ "$dir/$name" -ef "$work/carried/$name" ] || cp -p "$dir/$name" "$work/carried/$name"
@@ -98,6 +105,55 @@ unpack() {
     fi
 }
 
+# the model of SHAPE[:LAYERS]: `default` (the default model from its halves), or a synthetic shape of
+# synthetic-model.py with random F16 weights, written on first use
+model_for() {
+    local spec=$1 model shape layers vocab wheel
+    if [ "$spec" = default ]; then
+        model=$(default_model)
+        [ -n "$model" ] || { echo "gpu-test.sh: no default model: carry both halves from 'pack'" >&2; return 1; }
+        echo "$model"
+        return
+    fi
+    shape=${spec%%:*}
+    layers=${spec#*:}
+    [ "$layers" = "$spec" ] && layers=""
+    model="$work/${spec//:/-}.gguf"
+    if [ ! -f "$model" ]; then
+        unpack
+        vocab=$(carried vocab.gguf || true)
+        wheel=$(carried "$gguf_wheel" || true)
+        [ -n "$vocab" ] && [ -n "$wheel" ] || { echo "gpu-test.sh: carry vocab.gguf and $gguf_wheel from 'pack'" >&2; return 1; }
+        echo "== writing a $shape-shaped model${layers:+ ($layers layers)} with random weights" >&2
+        GGUF_WHEEL="$wheel" python3 "$work/src/h2o-tests/synthetic-model.py" model "$shape" \
+            --vocab "$vocab" -o "$model.tmp" ${layers:+--layers "$layers"}
+        mv "$model.tmp" "$model"
+    fi
+    echo "$model"
+}
+
+# the carried h2o-cli (scripts/cuda-cross-build.sh), unpacked once, checked against its sha256, behind a
+# wrapper that finds cuBLAS in the toolkit there (the program links the CUDA runtime statically)
+h2o_cli() {
+    local xz sums cuda_lib
+    if [ ! -x "$work/cli/h2o-cli" ]; then
+        xz=$(carried h2o-cli.xz || true)
+        sums=$(carried h2o-cli.sha256 || true)
+        [ -n "$xz" ] && [ -n "$sums" ] || { echo "gpu-test.sh: carry target/gpu-cli (scripts/cuda-cross-build.sh)" >&2; return 1; }
+        mkdir -p "$work/cli"
+        xz -dc "$xz" > "$work/cli/h2o-cli"
+        (cd "$work/cli" && sha256sum -c --quiet "$sums") \
+            || { rm -rf "$work/cli"; echo "gpu-test.sh: h2o-cli does not match h2o-cli.sha256" >&2; return 1; }
+        mv "$work/cli/h2o-cli" "$work/cli/h2o-cli.bin"
+        chmod +x "$work/cli/h2o-cli.bin"
+        cuda_lib="$(dirname "$(dirname "$(command -v nvcc)")")/lib64"
+        printf '#!/bin/sh\nLD_LIBRARY_PATH="%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "%s" "$@"\n' \
+            "$cuda_lib" "$work/cli/h2o-cli.bin" > "$work/cli/h2o-cli"
+        chmod +x "$work/cli/h2o-cli"
+    fi
+    echo "$work/cli/h2o-cli"
+}
+
 case "${1:-}" in
 pack)
     tree="$gpu/llama.cpp"
@@ -115,19 +171,23 @@ pack)
     cache="${H2O_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/h2o-llama}"
     model="${2:-$cache/SmolLM2-135M-Instruct.Q4_1.gguf}"
     [ -f "$model" ] || { echo "gpu-test.sh: model not found at $model (run cargo test once to fetch the default model)" >&2; exit 1; }
-    rm -f "$gpu"/model.gguf.part-* "$target"/gpu-b/model.gguf.part-*
+    mkdir -p "$target/gpu-a"
+    rm -f "$gpu"/model.gguf.part-* "$target"/gpu-[ab]/model.gguf.part-*
     split -n 2 -d --additional-suffix= "$model" "$gpu/model.gguf.part-"
-    mv "$gpu/model.gguf.part-00" "$gpu/model.gguf.part-aa"
+    mv "$gpu/model.gguf.part-00" "$target/gpu-a/model.gguf.part-aa"
     mv "$gpu/model.gguf.part-01" "$target/gpu-b/model.gguf.part-ab"
     (cd "$(dirname "$model")" && sha256sum "$(basename "$model")") | awk '{print $1 "  model.gguf"}' > "$gpu/model.gguf.sha256"
-    echo "split $(basename "$model") into $gpu/model.gguf.part-aa and $target/gpu-b/model.gguf.part-ab" >&2
+    echo "split $(basename "$model") into $target/gpu-a/model.gguf.part-aa and $target/gpu-b/model.gguf.part-ab" >&2
+    # the texts of the quality runs (scripts/study-texts.sh)
+    [ -f target/texts/techdoc.txt ] || scripts/study-texts.sh target/texts > /dev/null
+    tar cJf "$gpu/texts.tar.xz" -C target texts
     # the tokenizer for synthetic models, and the gguf package that writes them (the device has no network)
     if [ ! -f "$gpu/$gguf_wheel" ]; then
         python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu" "gguf==$gguf_version"
         [ -f "$gpu/$gguf_wheel" ] || { echo "gpu-test.sh: pip did not fetch $gguf_wheel" >&2; exit 1; }
     fi
     [ -f "$gpu/vocab.gguf" ] || GGUF_WHEEL="$gpu/$gguf_wheel" python3 scripts/synthetic-model.py vocab "$model" "$gpu/vocab.gguf"
-    du -ch "$gpu"/* | tail -1 | sed 's/total/carried by the first call (target\/gpu)/' >&2
+    du -ch "$gpu"/* | tail -1 | sed 's/total/in target\/gpu/' >&2
     ;;
 kernels)
     unpack
@@ -233,26 +293,65 @@ bench)
     lengths="${3:?usage: gpu-test.sh bench SHAPE[:LAYERS] LENGTHS [OUT.json]}"
     out="${4:-$work/bench-${spec//:/-}.json}"
     [ -x "$work/bin/bench-h2o-prefill" ] || { echo "gpu-test.sh: run 'gpu-test.sh build' first" >&2; exit 1; }
-    if [ "$spec" = default ]; then
-        model=$(default_model)
-        [ -n "$model" ] || { echo "gpu-test.sh: no default model: carry both halves from 'pack'" >&2; exit 1; }
-    else
-        shape=${spec%%:*}
-        layers=${spec#*:}
-        [ "$layers" = "$spec" ] && layers=""
-        model="$work/${spec//:/-}.gguf"
-        if [ ! -f "$model" ]; then
-            vocab=$(carried vocab.gguf || true)
-            wheel=$(carried "$gguf_wheel" || true)
-            [ -n "$vocab" ] && [ -n "$wheel" ] || { echo "gpu-test.sh: carry vocab.gguf and $gguf_wheel from 'pack'" >&2; exit 1; }
-            echo "== writing a $shape-shaped model${layers:+ ($layers layers)} with random weights" >&2
-            GGUF_WHEEL="$wheel" python3 "$work/src/h2o-tests/synthetic-model.py" model "$shape" \
-                --vocab "$vocab" -o "$model" ${layers:+--layers "$layers"}
-        fi
-    fi
+    model=$(model_for "$spec")
     echo "== bench-h2o-prefill $(basename "$model") -p $lengths" >&2
     "$work/bin/bench-h2o-prefill" "$model" -p "$lengths" -r 3 -b 4096 -ub 1024 --h2o-local 256 --h2o-heavy 256 \
         -ngl 99 -fa on --json "$out"
+    ;;
+model)
+    model_for "${2:?usage: gpu-test.sh model SHAPE[:LAYERS]}"
+    ;;
+cli)
+    h2o_cli
+    ;;
+keep | start)
+    mkdir -p "$work"
+    for name in h2o-gpu-src.tar.gz vocab.gguf "$gguf_wheel" model.gguf.sha256 texts.tar.xz h2o-cli.xz \
+        h2o-cli.sha256 model.gguf.part-aa model.gguf.part-ab; do
+        carried "$name" > /dev/null || true
+    done
+    echo "kept in $work/carried: $(ls "$work/carried" | tr '\n' ' ')" >&2
+    [ "$1" = keep ] && exit 0
+    cp -p "$0" "$work/gpu-test.sh"
+    unpack
+    if [ -f "$work/carried/h2o-cli.xz" ]; then
+        # that the program runs there at all: a short prompt on the GPU with coverage selection and
+        # sparse decode, on a small synthetic model
+        cli=$(h2o_cli)
+        "$cli" --version
+        "$cli" -m "$(model_for smollm2-135m)" --synthetic-prompt 2100 -n 16 -c 4096 --n-gpu-layers 99 -v \
+            --ubatch-size 1024 --h2o-local 256 --h2o-heavy 256 --h2o-select coverage --h2o-decode sparse --json \
+            2> "$work/smoke.log" || { tail -20 "$work/smoke.log"; echo "gpu-test.sh: h2o-cli failed on the GPU" >&2; }
+        grep -i "H2O attention ops\|CUDA0\|error" "$work/smoke.log" | head -5
+    fi
+    if [ -f "$work/carried/texts.tar.xz" ]; then
+        tar xJf "$work/carried/texts.tar.xz" -C "$work"
+    fi
+    # in a session of their own, so that they outlive this call; the copy of this script in $work
+    # serves later calls too
+    rm -f "$work/background.done"
+    setsid bash -c '
+        cd "$1"
+        {
+            for tool in "" racecheck synccheck memcheck; do
+                echo "== backends $tool"; CARGO_TARGET_DIR="$2" bash gpu-test.sh backends $tool; echo "rc=$?"
+            done
+            echo "== kernels"; CARGO_TARGET_DIR="$2" bash gpu-test.sh kernels; echo "rc=$?"
+        } > op-checks.log 2>&1 &
+        {
+            for spec in qwen2.5-1.5b llama-3-8b:8; do
+                CARGO_TARGET_DIR="$2" bash gpu-test.sh model "$spec"; echo "rc=$?"
+            done
+        } > models.log 2>&1 &
+        wait
+        touch background.done
+    ' _ "$work" "$target" < /dev/null > /dev/null 2>&1 &
+    echo "started in the background: the op checks ($work/op-checks.log) and the synthetic models ($work/models.log)" >&2
+    ;;
+wait)
+    while [ ! -f "$work/background.done" ]; do sleep 2; done
+    cat "$work/models.log"
+    cat "$work/op-checks.log"
     ;;
 *)
     sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'
