@@ -41,6 +41,8 @@ pub mod demo;
 pub mod engine_rule;
 mod error;
 pub mod eval;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod grammars;
 pub mod heavy_hitters;
 pub mod llama_flags;
@@ -62,8 +64,8 @@ pub use error::{DecodeError, Error, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{GrammarTriggers, Sampler, SamplerConfig, TokenLogprobs};
 pub use session::{
-    AbortCheck, CacheType, FlashAttention, Generation, H2oConfig, H2oState, ParallelSession,
-    PromptCache, Selection, SeqId, Session, SessionConfig, Timings,
+    AbortCheck, CacheType, FlashAttention, Generation, H2oConfig, H2oState, Integrity,
+    ParallelSession, PromptCache, Selection, SeqId, Session, SessionConfig, Timings,
 };
 
 /// Version of the pinned upstream crate whose llama.cpp this library builds.

@@ -7,8 +7,8 @@
 mod common;
 
 use h2o_llama::{
-    ChatMessage, Error, FlashAttention, H2oConfig, ParallelSession, Sampler, SamplerConfig,
-    Selection, Session, SessionConfig, Token,
+    ChatMessage, Error, FlashAttention, H2oConfig, Integrity, ParallelSession, Sampler,
+    SamplerConfig, Selection, Session, SessionConfig, Token,
 };
 
 const N_PREDICT: usize = 12;
@@ -355,7 +355,7 @@ fn a_saved_sequence_loads_into_another_and_its_next_prompt_is_a_fresh_prefills()
     } else {
         assert_eq!(saved, first.len());
     }
-    assert_eq!(p.load_seq(1, &path).unwrap(), saved);
+    assert_eq!(p.load_seq(1, &path).unwrap(), (saved, Integrity::Verified));
     assert_eq!(p.tokens(1), &first[..saved]);
     // the restored sequence reuses what it holds; its logits are a fresh sequence's
     let kept = p.start_prompt(1, next, None).unwrap();
@@ -366,11 +366,24 @@ fn a_saved_sequence_loads_into_another_and_its_next_prompt_is_a_fresh_prefills()
     run(&mut p, 2, next);
     assert_eq!(restored, p.logits(None).unwrap(), "restored vs fresh");
 
-    // refused, with the sequence unchanged: not a saved sequence, no such file
-    std::fs::write(&path, b"not a state").unwrap();
-    let e = p.load_seq(1, &path).unwrap_err();
-    assert!(matches!(e, Error::StateLoad { .. }), "{e}");
-    assert_eq!(p.tokens(1).len(), next.len());
+    // refused, with the sequence unchanged: damaged, truncated, not a saved sequence, no such
+    // file
+    let file = std::fs::read(&path).unwrap();
+    let mut flipped = file.clone();
+    flipped[file.len() - 100] ^= 0x10;
+    let cut = &file[..file.len() / 2];
+    for (bytes, needle) in [
+        (&flipped[..], "damaged"),
+        (cut, "truncated ("),
+        (&b"not a state"[..], "not a sequence saved by h2o-llama"),
+    ] {
+        std::fs::write(&path, bytes).unwrap();
+        let e = p.load_seq(1, &path).unwrap_err();
+        assert!(matches!(e, Error::StateLoad { .. }), "{e}");
+        assert!(e.to_string().contains(needle), "{e}");
+        assert!(e.to_string().contains("the sequence is unchanged"), "{e}");
+        assert_eq!(p.tokens(1).len(), next.len());
+    }
     let _ = std::fs::remove_file(&path);
     assert!(matches!(p.load_seq(1, &path), Err(Error::StateLoad { .. })));
 }

@@ -10,8 +10,8 @@ mod common;
 use std::path::Path;
 
 use h2o_llama::{
-    CacheType, Error, H2oConfig, PromptCache, Sampler, SamplerConfig, Selection, Session,
-    SessionConfig, Token,
+    CacheType, Error, H2oConfig, Integrity, PromptCache, Sampler, SamplerConfig, Selection,
+    Session, SessionConfig, Token,
 };
 
 fn config(h2o: Option<H2oConfig>) -> SessionConfig {
@@ -107,14 +107,13 @@ fn a_saved_state_continues_exactly_as_if_never_saved() {
         let path = dir.join(format!("{}.session", name.len()));
         first.save_state(&path).unwrap();
         let bytes = first.state_bytes().unwrap();
-        assert_eq!(
-            bytes,
-            std::fs::read(&path).unwrap(),
-            "{name}: bytes and file differ"
-        );
+        // the file is llama.cpp's session state behind the 32-byte checked header
+        let file = std::fs::read(&path).unwrap();
+        assert_eq!(&file[..8], b"H2OSTATE", "{name}");
+        assert_eq!(bytes, file[32..], "{name}: bytes and file differ");
 
         let mut loaded = Session::new(m, config(Some(h2o))).unwrap();
-        loaded.load_state(&path).unwrap();
+        assert_eq!(loaded.load_state(&path).unwrap(), Integrity::Verified);
         assert_eq!(loaded.tokens(), a.as_slice(), "{name}");
         assert_eq!(loaded.n_past() as usize, a.len(), "{name}");
         assert!(loaded.logits().is_none(), "{name}: a state holds no logits");
@@ -127,8 +126,19 @@ fn a_saved_state_continues_exactly_as_if_never_saved() {
         // into a session that already held something: the load replaces it
         let mut reused = Session::new(m, config(Some(h2o))).unwrap();
         reused.evaluate(&b[..50]).unwrap();
-        reused.load_state_bytes(&bytes).unwrap();
+        assert_eq!(
+            reused.load_state_bytes(&bytes).unwrap(),
+            Integrity::Unverified
+        );
         assert_continues(&format!("{name}, from bytes"), &mut reused, &b, &want);
+
+        // a file saved before checked state files (llama.cpp's session file alone) is still
+        // read, unverified, and continues as well
+        let older = dir.join(format!("{}.older", name.len()));
+        std::fs::write(&older, &bytes).unwrap();
+        let mut loaded = Session::new(m, config(Some(h2o))).unwrap();
+        assert_eq!(loaded.load_state(&older).unwrap(), Integrity::Unverified);
+        assert_continues(&format!("{name}, an older file"), &mut loaded, &b, &want);
     }
 }
 
@@ -184,7 +194,9 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
         s.evaluate(&b[100..110]).unwrap();
     }
 
-    // damaged files: never half loaded
+    // damaged files: checked whole before any of it is used, so refused with the session
+    // unchanged; an older file without a checksum that llama.cpp finds damaged part-way
+    // leaves the session emptied, never half loaded
     let bytes = std::fs::read(&h2o_state).unwrap();
     let mut s = Session::new(m, config(Some(seed))).unwrap();
     s.evaluate(&b[..100]).unwrap();
@@ -192,11 +204,25 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
         .load_state_bytes(&[bytes.as_slice(), b"trailing"].concat())
         .unwrap_err()
         .to_string();
+    assert!(msg.contains("damaged: 8 bytes follow"), "{msg}");
+    assert!(msg.contains("the session is unchanged"), "{msg}");
+    assert_eq!(s.n_past(), 100);
+    let state = &bytes[32..];
+    let msg = s
+        .load_state_bytes(&[state, b"trailing"].concat())
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("8 bytes follow the state"), "{msg}");
     assert!(msg.contains("the session was emptied"), "{msg}");
     assert_eq!(s.n_past(), 0);
     let truncated = dir.join("truncated.session");
     std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
+    let older_truncated = dir.join("older-truncated.session");
+    std::fs::write(&older_truncated, &state[..state.len() - 1000]).unwrap();
+    let mut flipped = bytes.clone();
+    flipped[bytes.len() / 2] ^= 1;
+    let damaged_file = dir.join("damaged.session");
+    std::fs::write(&damaged_file, &flipped).unwrap();
     let foreign = dir.join("foreign.session");
     std::fs::write(
         &foreign,
@@ -206,9 +232,19 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
     let extended = dir.join("extended.session");
     std::fs::write(&extended, [bytes.as_slice(), b"trailing"].concat()).unwrap();
     let missing = dir.join("missing.session");
+    let cut = format!(
+        "truncated ({} of {} bytes)",
+        bytes.len() - 1000,
+        bytes.len()
+    );
     let damaged: Vec<(&Path, &str)> = vec![
-        (&truncated, "the session was emptied"),
-        (&extended, "did not read all of the session file data"),
+        (&truncated, &cut),
+        (
+            &damaged_file,
+            "damaged: its content does not match its checksum",
+        ),
+        (&older_truncated, "the session was emptied"),
+        (&extended, "damaged: 8 bytes follow"),
         (&foreign, "not a llama.cpp session state"),
         (&missing, "missing.session"),
     ];
@@ -269,7 +305,10 @@ fn the_prompt_cache_is_used_only_for_a_prompt_it_begins() {
     let mut s = Session::new(m, config(h2o)).unwrap();
     assert_eq!(
         s.load_prompt_cache(&path, &ab).unwrap(),
-        PromptCache::Reused { tokens: 128 }
+        PromptCache::Reused {
+            tokens: 128,
+            integrity: Integrity::Verified
+        }
     );
     assert_eq!(s.tokens(), &a[..128]);
     // A + B is 520 tokens in calls of 512: the last call holds 8, and the dense tail is that
@@ -379,7 +418,10 @@ fn a_quantized_cache_saves_reuses_and_refuses_other_types() {
     let mut s = Session::new(m, q8.clone()).unwrap();
     assert_eq!(
         s.load_prompt_cache(&path, &ab).unwrap(),
-        PromptCache::Reused { tokens: 128 }
+        PromptCache::Reused {
+            tokens: 128,
+            integrity: Integrity::Verified
+        }
     );
     s.evaluate_saving_prompt_cache(&ab[128..], &dir.join("ab.cache"), |_, _| {})
         .unwrap();

@@ -12,13 +12,15 @@ use clap::{Parser, Subcommand};
 use h2o_flags::{H2oFlags, H2oPolicy};
 use h2o_llama::{
     default_model, demo, llama_flags, models, CacheType, Error, FlashAttention, Generation,
-    H2oConfig, H2oState, Model, ModelParams, PromptCache, Sampler, SamplerConfig, Session,
-    SessionConfig,
+    H2oConfig, H2oState, Integrity, Model, ModelParams, PromptCache, Sampler, SamplerConfig,
+    Session, SessionConfig,
 };
 
 mod bench;
 mod coverage;
 mod eval;
+#[cfg(test)]
+mod fuzz;
 mod heavy_hitters;
 mod perplexity;
 
@@ -533,14 +535,23 @@ fn use_prompt_cache(
     let outcome = session.load_prompt_cache(path, prompt)?;
     let (cached, what) = match outcome {
         PromptCache::Missing => (0, "none yet: evaluating the whole prompt".to_string()),
-        PromptCache::Reused { tokens } => (
-            tokens,
-            format!(
-                "reusing {tokens} of {} prompt tokens, evaluating {}",
-                prompt.len(),
-                prompt.len() - tokens
-            ),
-        ),
+        PromptCache::Reused { tokens, integrity } => {
+            if integrity == Integrity::Unverified {
+                eprintln!(
+                    "h2o-cli: warning: prompt cache {} has no checksum (saved before checked \
+                     state files): it was loaded unchecked; saving it again adds one",
+                    path.display()
+                );
+            }
+            (
+                tokens,
+                format!(
+                    "reusing {tokens} of {} prompt tokens, evaluating {}",
+                    prompt.len(),
+                    prompt.len() - tokens
+                ),
+            )
+        }
         PromptCache::Unused { common, cached } if common == cached && cached > 0 => (
             0,
             format!("holds this whole prompt ({cached} tokens) but no logits: evaluating it again"),

@@ -500,6 +500,36 @@ fn prompt_cache_continues_exactly_as_a_fresh_run() {
         std::fs::read(&cache).unwrap() == before,
         "the cache was changed"
     );
+
+    // a damaged or cut cache is refused naming the file and what is wrong with it, exit 3,
+    // and left as it is; nothing is generated from it
+    let mut damaged = before.clone();
+    damaged[before.len() / 2] ^= 0x40;
+    let cut = before.len() / 2;
+    for (bytes, needle) in [
+        (damaged, "damaged".to_string()),
+        (
+            before[..cut].to_vec(),
+            format!("truncated ({cut} of {} bytes)", before.len()),
+        ),
+    ] {
+        std::fs::write(&cache, &bytes).unwrap();
+        let (code, v, err) = run(&second, &logits("5"), &["--prompt-cache", cache_arg]);
+        assert_eq!(code, Some(3), "{err}");
+        assert!(v.is_none(), "a damaged cache produced output");
+        assert!(err.contains(&needle) && err.contains(cache_arg), "{err}");
+        assert!(
+            std::fs::read(&cache).unwrap() == bytes,
+            "the cache was changed"
+        );
+    }
+    // a cache saved before checked state files (llama.cpp's session file alone) is used with a
+    // warning, and saved again with its checksum
+    std::fs::write(&cache, &before[32..]).unwrap();
+    let (code, v, err) = run(&second, &logits("6"), &["--prompt-cache", cache_arg]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("has no checksum"), "{err}");
+    assert_eq!(v.unwrap()["text"], v3["text"]);
 }
 
 #[test]

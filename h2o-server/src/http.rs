@@ -461,4 +461,6 @@ mod slots;
 mod tokens;
 
 #[cfg(test)]
+mod fuzz;
+#[cfg(test)]
 mod tests;

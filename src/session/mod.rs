@@ -9,11 +9,25 @@ mod h2o;
 mod parallel;
 mod prefix;
 mod state;
+mod state_file;
 
 pub use config::{CacheType, FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
 pub use parallel::{AbortCheck, ParallelSession, SeqId};
 pub use state::PromptCache;
+pub use state_file::Integrity;
+
+/// Every reader of saved-state bytes, on `bytes` (`crate::fuzzing`).
+pub(crate) fn parse_saved_state(
+    bytes: &[u8],
+    n_ctx: u32,
+) -> [std::result::Result<usize, String>; 2] {
+    let state = state_file::check(bytes).map(|c| c.state);
+    [
+        state.clone().and_then(|s| state::parse_session(s, n_ctx)),
+        state.and_then(|s| parallel::parse_sequence(s, n_ctx)),
+    ]
+}
 
 use std::ffi::c_void;
 use std::ptr::NonNull;

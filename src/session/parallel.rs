@@ -23,6 +23,7 @@ use crate::sampler::Sampler;
 use crate::{backend, sys};
 
 mod state;
+pub(crate) use state::parse_sequence;
 
 /// A sequence of a [`ParallelSession`]: `0 .. n_seq`.
 pub type SeqId = u32;

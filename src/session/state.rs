@@ -1,15 +1,17 @@
 //! Saving and loading a session: its tokens, its KV cache and, with H2O, the scores, memory sets,
-//! chunk sums and chunk bookkeeping that go with them (patch 0010). The format is llama.cpp's
-//! session file (`llama_state_save_file`), so llama.cpp's own tools read what this writes and the
-//! other way round; [`Session::state_bytes`] is the same bytes in memory.
+//! chunk sums and chunk bookkeeping that go with them (patch 0010). The state is llama.cpp's
+//! session file (what `llama_state_save_file` writes; [`Session::state_bytes`] in memory),
+//! saved behind a checked header and atomically (`state_file`): a file is the old state or the
+//! new one after any crash, and a damaged or cut file is refused before it reaches llama.cpp.
+//! Files saved before checked state files (llama.cpp's format alone) are still read, unverified.
 //!
 //! A state is refused, never half loaded: a state from another model, with other H2O settings,
 //! without H2O state for an H2O session (or with it for a full-attention one) is refused before
-//! the session changes; one that fails part-way (a truncated file) leaves the session empty.
+//! the session changes; one that fails part-way inside llama.cpp leaves the session empty.
 
-use std::ffi::CString;
 use std::path::Path;
 
+use super::state_file::{self, Integrity};
 use super::Session;
 use crate::backend;
 use crate::error::{Error, Result};
@@ -25,8 +27,8 @@ pub enum PromptCache {
     /// There is no such file yet.
     Missing,
     /// The file's tokens begin the prompt: they were loaded, and the rest of the prompt is
-    /// `prompt[tokens..]`.
-    Reused { tokens: usize },
+    /// `prompt[tokens..]`. `integrity` says whether the file could be checked.
+    Reused { tokens: usize, integrity: Integrity },
     /// The file's tokens (`cached` of them) do not begin the prompt, or are all of it: nothing
     /// was loaded. `common` is how many leading tokens agree.
     Unused { common: usize, cached: usize },
@@ -95,22 +97,33 @@ fn parse_header(bytes: &[u8], n_ctx: u32) -> std::result::Result<Header, String>
     })
 }
 
-/// The header of the session file at `path`, read without the state that follows it.
-fn read_file_header(path: &Path, n_ctx: u32) -> std::result::Result<Header, String> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let size = file.metadata().map_err(|e| e.to_string())?.len();
-    let mut bytes = vec![0u8; HEADER_BYTES.min(size as usize)];
-    file.read_exact(&mut bytes).map_err(|e| e.to_string())?;
-    if let Some(n) = bytes.get(8..12) {
-        let n_tokens = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
-        // only as many token bytes as the file has, so that a damaged count reads nothing huge
-        let want = (4 * n_tokens).min(size as usize - HEADER_BYTES);
-        let mut tokens = vec![0u8; want];
-        file.read_exact(&mut tokens).map_err(|e| e.to_string())?;
-        bytes.extend_from_slice(&tokens);
-    }
-    parse_header(&bytes, n_ctx)
+/// A session file read whole and checked (`state_file`): nothing reaches the context before
+/// this succeeds.
+struct CheckedFile {
+    bytes: Vec<u8>,
+    /// where llama.cpp's state (after the session header and its tokens) starts in `bytes`
+    state_start: usize,
+    tokens: Vec<Token>,
+    integrity: Integrity,
+}
+
+fn read_checked(path: &Path, n_ctx: u32) -> std::result::Result<CheckedFile, String> {
+    let bytes = state_file::read(path)?;
+    let checked = state_file::check(&bytes)?;
+    let header = parse_header(checked.state, n_ctx)?;
+    let integrity = checked.integrity;
+    let state_start = bytes.len() - checked.state.len() + header.state_offset;
+    Ok(CheckedFile {
+        bytes,
+        state_start,
+        tokens: header.tokens,
+        integrity,
+    })
+}
+
+/// Whether a session file's own header (after the checked one) reads: for fuzzing.
+pub(crate) fn parse_session(bytes: &[u8], n_ctx: u32) -> std::result::Result<usize, String> {
+    parse_header(bytes, n_ctx).map(|h| h.tokens.len())
 }
 
 /// How many leading tokens `a` and `b` share.
@@ -119,37 +132,29 @@ pub(super) fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl Session<'_> {
-    /// Saves the session (its tokens, KV cache and H2O state) to `path` in llama.cpp's
-    /// session-file format. Logits are not part of a state: after a load, evaluate at least one
-    /// token before sampling.
+    /// Saves the session (its tokens, KV cache and H2O state) to `path`: llama.cpp's session
+    /// state behind a checked header, written atomically (a temporary file in the same
+    /// directory, flushed and renamed over `path`), so that `path` holds the old state or the
+    /// new one whatever happens during the save. The state is held in memory once while it is
+    /// written. Logits are not part of a state: after a load, evaluate at least one token
+    /// before sampling.
     ///
     /// # Errors
-    /// [`Error::StateSave`] when the file cannot be written.
+    /// [`Error::StateSave`] when llama.cpp cannot serialise the state or the file cannot be
+    /// written (a full disk, no permission); `path` is then unchanged.
     pub fn save_state(&mut self, path: &Path) -> Result<()> {
-        let to = path.display().to_string();
-        let c_path =
-            CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::StateSave {
-                to: to.clone(),
-                reason: "the path contains a NUL byte".into(),
-            })?;
-        backend::clear_recent_log();
-        // SAFETY: valid context; the token slice outlives the call.
-        let ok = unsafe {
-            sys::llama_state_save_file(
-                self.ctx.as_ptr(),
-                c_path.as_ptr(),
-                self.tokens.as_ptr(),
-                self.tokens.len(),
-            )
-        };
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::StateSave {
-                to,
-                reason: backend::recent_log_reason(),
-            })
-        }
+        let bytes = self.state_bytes().map_err(|e| match e {
+            Error::StateSave { reason, .. } => Error::StateSave {
+                to: path.display().to_string(),
+                reason,
+            },
+            other => other,
+        })?;
+        state_file::write_atomic(path, &[&bytes]).map_err(|reason| Error::StateSave {
+            to: path.display().to_string(),
+            reason: format!("{reason}; the file is unchanged"),
+        })?;
+        Ok(())
     }
 
     /// The session's state as bytes, the same as [`Session::save_state`] writes to a file.
@@ -189,68 +194,48 @@ impl Session<'_> {
         Ok(bytes)
     }
 
-    /// Replaces the session's content with a state saved by [`Session::save_state`] (or by
-    /// llama.cpp's `llama_state_save_file` with the same model and settings).
+    /// Replaces the session's content with a state saved by [`Session::save_state`] (or, as
+    /// [`Integrity::Unverified`], by an earlier version or llama.cpp's
+    /// `llama_state_save_file` with the same model and settings). The whole file is checked
+    /// before any of it reaches the context.
     ///
     /// # Errors
-    /// [`Error::StateLoad`] naming the problem (no such file, not a session state, another
-    /// model, other H2O settings, H2O state missing or unexpected, truncated) and what the
+    /// [`Error::StateLoad`] naming the problem (no such file, damaged, truncated, not a session
+    /// state, another model, other H2O settings, H2O state missing or unexpected) and what the
     /// session holds afterwards: unchanged when refused up front, empty when the state failed
-    /// part-way.
-    pub fn load_state(&mut self, path: &Path) -> Result<()> {
-        let header = read_file_header(path, self.n_ctx).map_err(|reason| Error::StateLoad {
-            from: path.display().to_string(),
-            reason,
-            session: "the session is unchanged",
-        })?;
-        self.load_state_file(path, header)
-    }
-
-    /// Loads the session file at `path`, whose header has been read.
-    fn load_state_file(&mut self, path: &Path, header: Header) -> Result<()> {
+    /// part-way inside llama.cpp.
+    pub fn load_state(&mut self, path: &Path) -> Result<Integrity> {
         let from = path.display().to_string();
-        let c_path =
-            CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::StateLoad {
-                from: from.clone(),
-                reason: "the path contains a NUL byte".into(),
-                session: "the session is unchanged",
-            })?;
-        // llama.cpp reads the file in pieces, so a large state is not held in memory twice
-        let mut tokens = vec![0; header.tokens.len()];
-        let mut n_tokens = 0usize;
-        backend::clear_recent_log();
-        // SAFETY: valid context; `tokens` has room for the header's count, which llama.cpp
-        // checks against the capacity it is given.
-        let ok = unsafe {
-            sys::llama_state_load_file(
-                self.ctx.as_ptr(),
-                c_path.as_ptr(),
-                tokens.as_mut_ptr(),
-                tokens.len(),
-                &mut n_tokens,
-            )
-        };
-        let outcome = if ok {
-            Ok(())
-        } else {
-            Err(backend::recent_log_reason())
-        };
-        self.finish_load(outcome, false, header.tokens, from)
-    }
-
-    /// [`Session::load_state`] from bytes made by [`Session::state_bytes`] (or read from a
-    /// session file).
-    ///
-    /// # Errors
-    /// As [`Session::load_state`].
-    pub fn load_state_bytes(&mut self, bytes: &[u8]) -> Result<()> {
-        let from = "memory".to_string();
-        let header = parse_header(bytes, self.n_ctx).map_err(|reason| Error::StateLoad {
+        let file = read_checked(path, self.n_ctx).map_err(|reason| Error::StateLoad {
             from: from.clone(),
             reason,
             session: "the session is unchanged",
         })?;
-        let state = &bytes[header.state_offset..];
+        self.set_state(&file.bytes[file.state_start..], file.tokens, from)?;
+        Ok(file.integrity)
+    }
+
+    /// [`Session::load_state`] from bytes: those of [`Session::state_bytes`], or a whole file
+    /// that [`Session::save_state`] wrote (checked the same way).
+    ///
+    /// # Errors
+    /// As [`Session::load_state`].
+    pub fn load_state_bytes(&mut self, bytes: &[u8]) -> Result<Integrity> {
+        let from = "memory".to_string();
+        let refused = |reason: String| Error::StateLoad {
+            from: from.clone(),
+            reason,
+            session: "the session is unchanged",
+        };
+        let checked = state_file::check(bytes).map_err(refused)?;
+        let header = parse_header(checked.state, self.n_ctx).map_err(refused)?;
+        let state = &checked.state[header.state_offset..];
+        self.set_state(state, header.tokens, from)?;
+        Ok(checked.integrity)
+    }
+
+    /// Hands llama.cpp a checked state (after its session header) and takes over its tokens.
+    fn set_state(&mut self, state: &[u8], tokens: Vec<Token>, from: String) -> Result<()> {
         backend::clear_recent_log();
         // SAFETY: valid context; llama.cpp reads at most `state.len()` bytes.
         let read =
@@ -268,7 +253,7 @@ impl Session<'_> {
         } else {
             (Ok(()), true)
         };
-        self.finish_load(outcome, loaded, header.tokens, from)
+        self.finish_load(outcome, loaded, tokens, from)
     }
 
     /// Takes over the tokens of a state llama.cpp loaded, or, when it failed, says what the
@@ -339,15 +324,16 @@ impl Session<'_> {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when the session is not empty; [`Error::StateLoad`] when the
-    /// file cannot be read, is not a session state, or does not fit this session (another
-    /// model, other H2O settings): a cache made for other settings is not silently replaced.
+    /// file cannot be read, is damaged or truncated, is not a session state, or does not fit
+    /// this session (another model, other H2O settings): a damaged cache, or one made for
+    /// other settings, is neither used nor silently replaced.
     pub fn load_prompt_cache(&mut self, path: &Path, prompt: &[Token]) -> Result<PromptCache> {
         if self.n_past > 0 {
             return Err(Error::InvalidConfig(
                 "a prompt cache is loaded into an empty session: reset it first".into(),
             ));
         }
-        let header = match read_file_header(path, self.n_ctx) {
+        let file = match read_checked(path, self.n_ctx) {
             Err(_) if !path.exists() => return Ok(PromptCache::Missing),
             Err(reason) => {
                 return Err(Error::StateLoad {
@@ -356,13 +342,18 @@ impl Session<'_> {
                     session: "the session is unchanged",
                 })
             }
-            Ok(header) => header,
+            Ok(file) => file,
         };
-        let cached = header.tokens.len();
-        let common = common_prefix(&header.tokens, prompt);
+        let cached = file.tokens.len();
+        let common = common_prefix(&file.tokens, prompt);
+        let integrity = file.integrity;
         // loaded even when it will not be used, as llama-cli does: that checks it was made for
         // this model and these settings before the caller overwrites it
-        self.load_state_file(path, header)?;
+        self.set_state(
+            &file.bytes[file.state_start..],
+            file.tokens,
+            path.display().to_string(),
+        )?;
         if cached == 0 || common < cached || cached == prompt.len() {
             self.reset();
             return Ok(PromptCache::Unused { common, cached });
@@ -387,7 +378,10 @@ impl Session<'_> {
             self.reset();
             return Ok(PromptCache::EndsInTail { cached });
         }
-        Ok(PromptCache::Reused { tokens: cached })
+        Ok(PromptCache::Reused {
+            tokens: cached,
+            integrity,
+        })
     }
 }
 

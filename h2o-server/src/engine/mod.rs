@@ -330,6 +330,9 @@ pub struct SlotOpDone {
     pub n_tokens: usize,
     pub n_bytes: usize,
     pub ms: f64,
+    /// A restore from a file saved without a checksum (before checked state files): used
+    /// unchecked.
+    pub unverified: bool,
 }
 
 /// Why a slot operation was refused.

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use h2o_llama::{
-    ChatTemplates, H2oConfig, H2oState, Model, ModelParams, ParallelSession, Sampler,
+    ChatTemplates, H2oConfig, H2oState, Integrity, Model, ModelParams, ParallelSession, Sampler,
     SessionConfig, Token, TokenLogprobs,
 };
 use tokio::sync::mpsc::UnboundedSender;
@@ -474,10 +474,19 @@ impl<'m> Engine<'m> {
         }
         let t0 = Instant::now();
         let failed = |e: h2o_llama::Error| SlotOpError::Failed(e.to_string());
+        let mut unverified = false;
         let (n_tokens, n_bytes) = match op {
             SlotOp::Save(path) => self.session.save_seq(id, &path).map_err(failed)?,
             SlotOp::Restore(path) => {
-                let n_tokens = self.session.load_seq(id, &path).map_err(failed)?;
+                let (n_tokens, integrity) = self.session.load_seq(id, &path).map_err(failed)?;
+                if integrity == Integrity::Unverified {
+                    unverified = true;
+                    eprintln!(
+                        "h2o-server: warning: {} has no checksum (saved before checked state \
+                         files): slot {id} was restored from it unchecked; saving it again adds one",
+                        path.display()
+                    );
+                }
                 let n_bytes = std::fs::metadata(&path).map_or(0, |m| m.len() as usize);
                 (n_tokens, n_bytes)
             }
@@ -491,6 +500,7 @@ impl<'m> Engine<'m> {
             n_tokens,
             n_bytes,
             ms: t0.elapsed().as_secs_f64() * 1e3,
+            unverified,
         })
     }
 

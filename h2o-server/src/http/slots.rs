@@ -116,7 +116,8 @@ pub async fn action(
         }),
         "restore" => json!({
             "id_slot": id, "filename": filename, "n_restored": done.n_tokens,
-            "n_read": done.n_bytes, "timings": { "restore_ms": done.ms },
+            "n_read": done.n_bytes, "verified": !done.unverified,
+            "timings": { "restore_ms": done.ms },
         }),
         _ => json!({ "id_slot": id, "n_erased": done.n_tokens }),
     }))

@@ -248,18 +248,19 @@ impl Engine for Fake {
     }
 }
 
-struct TestServer {
+pub(super) struct TestServer {
     base: String,
     fake: Arc<Fake>,
     client: reqwest::Client,
 }
 
-async fn serve(capacity: usize, api_key: Option<&str>, max_body: usize) -> TestServer {
+pub(super) async fn serve(capacity: usize, api_key: Option<&str>, max_body: usize) -> TestServer {
+    serve_with(capacity, Options::new(api_key.map(String::from), max_body)).await
+}
+
+pub(super) async fn serve_with(capacity: usize, options: Options) -> TestServer {
     let fake = Arc::new(Fake::new(capacity));
-    let state = Arc::new(AppState::new(
-        fake.clone(),
-        Options::new(api_key.map(String::from), max_body),
-    ));
+    let state = Arc::new(AppState::new(fake.clone(), options));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
@@ -271,7 +272,11 @@ async fn serve(capacity: usize, api_key: Option<&str>, max_body: usize) -> TestS
 }
 
 impl TestServer {
-    async fn post(&self, path: &str, body: impl Into<reqwest::Body>) -> reqwest::Response {
+    pub(super) async fn post(
+        &self,
+        path: &str,
+        body: impl Into<reqwest::Body>,
+    ) -> reqwest::Response {
         self.client
             .post(format!("{}{path}", self.base))
             .body(body)
@@ -303,7 +308,7 @@ impl TestServer {
     }
 }
 
-fn user(content: &str) -> Value {
+pub(super) fn user(content: &str) -> Value {
     json!([{"role": "user", "content": content}])
 }
 

@@ -53,7 +53,27 @@ pub struct Server {
 impl Server {
     /// Starts `h2o-server -m DEFAULT --port 0 ARGS` and waits for its `listening on` line.
     pub fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_h2o-server"))
+        Self::start_limited(args, None)
+    }
+
+    /// [`Server::start`] with the size of the files it writes limited to `file_size` bytes
+    /// (`prlimit --fsize`), SIGXFSZ ignored: a write past the limit fails as a write to a full
+    /// disk does.
+    pub fn start_limited(args: &[&str], file_size: Option<u64>) -> Server {
+        let bin = env!("CARGO_BIN_EXE_h2o-server");
+        let mut cmd = match file_size {
+            None => Command::new(bin),
+            Some(bytes) => {
+                let mut sh = Command::new("sh");
+                sh.arg("-c")
+                    .arg(format!(
+                        "trap '' XFSZ; exec prlimit --fsize={bytes}:{bytes} \"$0\" \"$@\""
+                    ))
+                    .arg(bin);
+                sh
+            }
+        };
+        let mut child = cmd
             .args(["-m", &model_path(), "--port", "0"])
             .args(args)
             .env_remove("H2O_SERVER_API_KEY")

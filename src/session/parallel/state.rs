@@ -5,10 +5,12 @@
 //! prefill's), so that a restored sequence reuses its prefix by the same rules as before.
 //!
 //! The file: `H2OSEQ01`, then little-endian u32s `prompt_end`, `fresh_until`, `n_tokens`, the
-//! tokens (i32), a u64 byte count and llama.cpp's sequence state.
+//! tokens (i32), a u64 byte count and llama.cpp's sequence state; saved behind a checked header
+//! and atomically, and checked whole before it is used, as a session's state is (`state_file`).
 
 use std::path::Path;
 
+use super::super::state_file::{self, Integrity};
 use super::{ParallelSession, SeqBook, SeqId};
 use crate::backend;
 use crate::error::{Error, Result};
@@ -18,7 +20,8 @@ use crate::sys;
 const MAGIC: &[u8; 8] = b"H2OSEQ01";
 
 impl ParallelSession<'_> {
-    /// Saves sequence `seq` to `path`; returns the tokens and the bytes written.
+    /// Saves sequence `seq` to `path`, atomically (`path` holds the old file or the new one
+    /// whatever happens during the save); returns the tokens and the bytes written.
     ///
     /// With H2O, the sequence is first cut back to what a next prompt that continues it can
     /// reuse: the chunks before its last prompt's dense tail (or its first decoded token).
@@ -28,7 +31,8 @@ impl ParallelSession<'_> {
     ///
     /// # Errors
     /// [`Error::StateSave`] when llama.cpp cannot serialise the sequence or the file cannot be
-    /// written; [`Error::InvalidConfig`] for a `seq` outside the session.
+    /// written (`path` is then unchanged); [`Error::InvalidConfig`] for a `seq` outside the
+    /// session.
     pub fn save_seq(&mut self, seq: SeqId, path: &Path) -> Result<(usize, usize)> {
         self.check_seq(seq)?;
         let book = &self.seqs[seq as usize];
@@ -54,29 +58,32 @@ impl ParallelSession<'_> {
             return Err(failed(backend::recent_log_reason()));
         }
         state.truncate(written);
-        let mut bytes = Vec::with_capacity(8 + 12 + 4 * book.tokens.len() + 8 + written);
-        bytes.extend_from_slice(MAGIC);
+        let mut head = Vec::with_capacity(8 + 12 + 4 * book.tokens.len() + 8);
+        head.extend_from_slice(MAGIC);
         for v in [book.prompt_end, book.fresh_until, book.n_past()] {
-            bytes.extend_from_slice(&v.to_le_bytes());
+            head.extend_from_slice(&v.to_le_bytes());
         }
         for t in &book.tokens {
-            bytes.extend_from_slice(&t.to_le_bytes());
+            head.extend_from_slice(&t.to_le_bytes());
         }
-        bytes.extend_from_slice(&(written as u64).to_le_bytes());
-        bytes.extend_from_slice(&state);
-        std::fs::write(path, &bytes).map_err(|e| failed(e.to_string()))?;
-        Ok((book.tokens.len(), bytes.len()))
+        head.extend_from_slice(&(written as u64).to_le_bytes());
+        let bytes = state_file::write_atomic(path, &[&head, &state])
+            .map_err(|reason| failed(format!("{reason}; the file is unchanged")))?;
+        Ok((book.tokens.len(), bytes as usize))
     }
 
     /// Replaces sequence `seq` with one saved by [`ParallelSession::save_seq`] (from any
-    /// sequence of a session with the same model and settings); returns its token count. The
-    /// sequence runs the context's memory selection, which the state must have been saved with.
+    /// sequence of a session with the same model and settings); returns its token count and
+    /// whether the file could be checked ([`Integrity::Unverified`]: saved before checked
+    /// state files). The sequence runs the context's memory selection, which the state must
+    /// have been saved with.
     ///
     /// # Errors
-    /// [`Error::StateLoad`] naming the problem (no such file, not a saved sequence, more tokens
-    /// than a sequence holds, another model or other H2O settings, truncated): the sequence is
-    /// unchanged when refused before llama.cpp read the state, empty when it failed there.
-    pub fn load_seq(&mut self, seq: SeqId, path: &Path) -> Result<usize> {
+    /// [`Error::StateLoad`] naming the problem (no such file, damaged, truncated, not a saved
+    /// sequence, more tokens than a sequence holds, another model or other H2O settings): the
+    /// sequence is unchanged when refused before llama.cpp read the state (the whole file is
+    /// checked first), empty when it failed there.
+    pub fn load_seq(&mut self, seq: SeqId, path: &Path) -> Result<(usize, Integrity)> {
         self.check_seq(seq)?;
         let from = path.display().to_string();
         let refused = |reason: String| Error::StateLoad {
@@ -84,8 +91,9 @@ impl ParallelSession<'_> {
             reason,
             session: "the sequence is unchanged",
         };
-        let bytes = std::fs::read(path).map_err(|e| refused(e.to_string()))?;
-        let (book, state) = parse(&bytes, self.n_ctx_seq).map_err(refused)?;
+        let bytes = state_file::read(path).map_err(&refused)?;
+        let checked = state_file::check(&bytes).map_err(&refused)?;
+        let (book, state) = parse(checked.state, self.n_ctx_seq).map_err(refused)?;
         self.clear(seq)?;
         backend::clear_recent_log();
         // SAFETY: valid context; llama.cpp reads at most `state.len()` bytes.
@@ -113,8 +121,13 @@ impl ParallelSession<'_> {
         let n = book.tokens.len();
         let h2o = self.seqs[seq as usize].h2o;
         self.seqs[seq as usize] = SeqBook { h2o, ..book };
-        Ok(n)
+        Ok((n, checked.integrity))
     }
+}
+
+/// Whether a saved sequence's own header (after the checked one) reads: for fuzzing.
+pub(crate) fn parse_sequence(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<usize, String> {
+    parse(bytes, n_ctx_seq).map(|(book, state)| book.tokens.len() + state.len())
 }
 
 /// The book and the llama.cpp state of a saved sequence.
