@@ -9,6 +9,7 @@
 //! a line); `scripts/fuzz.sh` runs many more (`H2O_FUZZ_CASES`, `H2O_FUZZ_SEED`).
 
 use clap::Parser;
+use h2o_llama::fuzzing::{kept_cases, Budget, Rng};
 
 use super::{sampler_config, session_config, Cli, LLAMA_FLAGS};
 
@@ -123,19 +124,8 @@ const VALUES: &[&str] = &[
     "-5,-6",
 ];
 
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-}
-
 fn case(seed: u64) -> Vec<String> {
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let mut args = vec!["h2o-cli".to_string()];
     let command = COMMANDS[rng.below(COMMANDS.len())];
     if !command.is_empty() {
@@ -167,39 +157,31 @@ fn exercise(args: &[String]) {
 
 #[test]
 fn random_command_lines_parse_or_are_refused_never_panic() {
-    let cases: u64 = std::env::var("H2O_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2000);
-    let seed: u64 = std::env::var("H2O_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5eed);
-    let mut all: Vec<Vec<String>> = (0..cases)
-        .map(|i| case(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(i)))
+    let budget = Budget::from_env(2000);
+    let mut all: Vec<Vec<String>> = (0..budget.cases)
+        .map(|i| case(budget.case_seed(i)))
         .collect();
+    // a kept case: one argument a line
     let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz-corpus");
-    let kept = std::fs::read_dir(&corpus).map_or(0, |entries| {
-        let before = all.len();
-        for e in entries.flatten() {
-            let text = std::fs::read_to_string(e.path()).unwrap();
-            all.push(text.lines().map(String::from).collect());
-        }
-        all.len() - before
-    });
+    let kept = kept_cases(&corpus);
+    all.extend(kept.iter().map(|bytes| {
+        String::from_utf8_lossy(bytes)
+            .lines()
+            .map(String::from)
+            .collect()
+    }));
     let mut findings = Vec::new();
     for args in &all {
         if std::panic::catch_unwind(|| exercise(args)).is_err() {
             findings.push(args.join("\n"));
         }
     }
-    if let Ok(dir) = std::env::var("H2O_FUZZ_FINDINGS") {
-        for (i, f) in findings.iter().enumerate() {
-            let _ = std::fs::write(format!("{dir}/cli-{seed}-{i}.txt"), f);
-        }
-    }
+    budget.keep_findings("cli", findings.iter().map(|f| f.as_bytes()));
     eprintln!(
-        "{cases} random command lines (seed {seed}) and {kept} kept ones: {} findings",
+        "{} random command lines (seed {}) and {} kept ones: {} findings",
+        budget.cases,
+        budget.seed,
+        kept.len(),
         findings.len()
     );
     assert!(findings.is_empty(), "panics on:\n{}", findings.join("\n\n"));

@@ -13,6 +13,7 @@
 
 use std::time::Duration;
 
+use h2o_llama::fuzzing::{kept_cases, Budget, Rng};
 use serde_json::{json, Map, Value};
 
 use super::tests::{serve_with, user};
@@ -82,22 +83,8 @@ const FIELDS: &[&str] = &[
     "samplers",
 ];
 
-/// A small deterministic generator (xorshift), so that a case is replayed from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
+fn pick<'a, T>(rng: &mut Rng, items: &'a [T]) -> &'a T {
+    &items[rng.below(items.len())]
 }
 
 /// A valid body for `path`.
@@ -108,7 +95,7 @@ fn template(path: &str, rng: &mut Rng) -> Value {
             "stream": rng.below(2) == 0,
         }),
         "/v1/completions" | "/completion" | "/completions" => json!({
-            "prompt": *rng.pick(&[json!("The ledger"), json!([76, 101, 100]), json!(["a", "b"])]),
+            "prompt": *pick(rng, &[json!("The ledger"), json!([76, 101, 100]), json!(["a", "b"])]),
             "n_predict": 3, "stream": rng.below(2) == 0,
         }),
         "/tokenize" => json!({"content": "The ledger", "with_pieces": true}),
@@ -152,18 +139,24 @@ fn random_value(rng: &mut Rng, depth: usize) -> Value {
     match rng.below(if depth > 3 { 6 } else { 9 }) {
         0 => Value::Null,
         1 => Value::Bool(rng.below(2) == 0),
-        2 => json!(*rng.pick(&[
-            0i64,
-            1,
-            -1,
-            2,
-            64,
-            4096,
-            i32::MAX as i64,
-            i64::MIN,
-            i64::MAX
-        ])),
-        3 => json!(*rng.pick(&[0.0, 0.5, -0.5, 1.0, 2.0, 1e308, -1e308, 1e-320])),
+        2 => json!(*pick(
+            rng,
+            &[
+                0i64,
+                1,
+                -1,
+                2,
+                64,
+                4096,
+                i32::MAX as i64,
+                i64::MIN,
+                i64::MAX
+            ]
+        )),
+        3 => json!(*pick(
+            rng,
+            &[0.0, 0.5, -0.5, 1.0, 2.0, 1e308, -1e308, 1e-320]
+        )),
         4 | 5 => Value::String(random_string(rng)),
         6 => Value::Array(
             (0..rng.below(5))
@@ -174,7 +167,7 @@ fn random_value(rng: &mut Rng, depth: usize) -> Value {
         _ => {
             let mut m = Map::new();
             for _ in 0..rng.below(4) {
-                m.insert(rng.pick(FIELDS).to_string(), random_value(rng, depth + 1));
+                m.insert(pick(rng, FIELDS).to_string(), random_value(rng, depth + 1));
             }
             Value::Object(m)
         }
@@ -211,11 +204,8 @@ fn random_node<'a>(v: &'a mut Value, rng: &mut Rng) -> &'a mut Value {
 
 /// One case: the path and the body's bytes.
 fn case(seed: u64) -> (&'static str, Vec<u8>) {
-    let mut rng = Rng(seed | 1);
-    for _ in 0..4 {
-        rng.next();
-    }
-    let path = *rng.pick(ENDPOINTS);
+    let mut rng = Rng::new(seed);
+    let path = *pick(&mut rng, ENDPOINTS);
     let mut body = template(path, &mut rng);
     let mut raw = None;
     for _ in 0..1 + rng.below(4) {
@@ -231,7 +221,10 @@ fn case(seed: u64) -> (&'static str, Vec<u8>) {
             }
             6 | 7 => {
                 if let Value::Object(m) = &mut body {
-                    m.insert(rng.pick(FIELDS).to_string(), random_value(&mut rng, 0));
+                    m.insert(
+                        pick(&mut rng, FIELDS).to_string(),
+                        random_value(&mut rng, 0),
+                    );
                 }
             }
             _ => {
@@ -303,14 +296,7 @@ fn corpus_case(path: &str, body: &[u8]) -> Vec<u8> {
 
 #[tokio::test]
 async fn random_requests_are_answered_or_refused_never_crash_or_hang() {
-    let cases: u64 = std::env::var("H2O_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
-    let seed: u64 = std::env::var("H2O_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5eed);
+    let budget = Budget::from_env(300);
     let options = Options {
         // the slot actions get as far as the engine, which refuses them (no such slot)
         slot_save_path: Some(std::env::temp_dir()),
@@ -318,42 +304,36 @@ async fn random_requests_are_answered_or_refused_never_crash_or_hang() {
     };
     let server = serve_with(1024, options).await;
     let mut findings = Vec::new();
-    for i in 0..cases {
-        let (path, body) = case(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(i));
+    for i in 0..budget.cases {
+        let (path, body) = case(budget.case_seed(i));
         if let Some(why) = check(&server, path, body.clone()).await {
             findings.push((why, corpus_case(path, &body)));
         }
     }
     // the kept cases: a first line "POST PATH", then the body
     let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz-corpus");
-    let mut replayed = 0;
-    if let Ok(entries) = std::fs::read_dir(&corpus) {
-        for e in entries.flatten() {
-            let bytes = std::fs::read(e.path()).unwrap();
-            let split = bytes
-                .iter()
-                .position(|&b| b == b'\n')
-                .unwrap_or(bytes.len());
-            let head = String::from_utf8_lossy(&bytes[..split]).to_string();
-            let path = head
-                .strip_prefix("POST ")
-                .unwrap_or("/completion")
-                .to_string();
-            let body = bytes.get(split + 1..).unwrap_or_default().to_vec();
-            if let Some(why) = check(&server, &path, body.clone()).await {
-                findings.push((why, corpus_case(&path, &body)));
-            }
-            replayed += 1;
+    let kept = kept_cases(&corpus);
+    for bytes in &kept {
+        let split = bytes
+            .iter()
+            .position(|&b| b == b'\n')
+            .unwrap_or(bytes.len());
+        let head = String::from_utf8_lossy(&bytes[..split]).to_string();
+        let path = head
+            .strip_prefix("POST ")
+            .unwrap_or("/completion")
+            .to_string();
+        let body = bytes.get(split + 1..).unwrap_or_default().to_vec();
+        if let Some(why) = check(&server, &path, body.clone()).await {
+            findings.push((why, corpus_case(&path, &body)));
         }
     }
-    // each finding as a case for the corpus
-    if let Ok(dir) = std::env::var("H2O_FUZZ_FINDINGS") {
-        for (i, (_, case)) in findings.iter().enumerate() {
-            let _ = std::fs::write(format!("{dir}/server-{seed}-{i}.txt"), case);
-        }
-    }
+    budget.keep_findings("server", findings.iter().map(|(_, case)| case.as_slice()));
     eprintln!(
-        "{cases} random requests (seed {seed}) and {replayed} kept ones: {} findings",
+        "{} random requests (seed {}) and {} kept ones: {} findings",
+        budget.cases,
+        budget.seed,
+        kept.len(),
         findings.len()
     );
     let report: Vec<String> = findings
