@@ -152,12 +152,13 @@ impl Session<'_> {
         })?;
         state_file::write_atomic(path, &[&bytes]).map_err(|reason| Error::StateSave {
             to: path.display().to_string(),
-            reason: format!("{reason}; the file is unchanged"),
+            reason,
         })?;
         Ok(())
     }
 
-    /// The session's state as bytes, the same as [`Session::save_state`] writes to a file.
+    /// The session's state as bytes: llama.cpp's session state, what [`Session::save_state`]
+    /// writes to a file after its checked header.
     ///
     /// # Errors
     /// [`Error::StateSave`] when llama.cpp cannot serialise the state.

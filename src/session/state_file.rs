@@ -1,14 +1,14 @@
 //! State files that are never half written and never used damaged.
 //!
 //! Every state this library writes to disk (a session's state, a prompt cache, a server slot's
-//! sequence) goes through [`write_atomic`] and comes back through [`read_checked`]:
+//! sequence) goes through [`write_atomic`] and comes back through [`read`] and [`check`]:
 //! - **Atomic saves.** The bytes go to a temporary file in the target's directory, which is
 //!   flushed to disk (`fsync`) and renamed over the target, and then the directory is flushed,
 //!   so that after a crash, a kill or a power cut the target is the old file or the new one,
 //!   never a mix. A save that fails removes its temporary file and leaves the target as it was.
 //! - **Checksums.** A 32-byte header of our own comes first: the magic `H2OSTATE`, a format
 //!   version, the length and the CRC-32 of the state that follows, and a CRC-32 of the header
-//!   itself. [`read_checked`] verifies all of it before a byte of the state reaches
+//!   itself. [`check`] verifies all of it before a byte of the state reaches
 //!   llama.cpp, so a damaged file is refused as "damaged" and a cut one as "truncated (N of M
 //!   bytes)", naming the file, with the session unchanged. The state after the header is the
 //!   format the caller wrote (llama.cpp's session file, or a server slot's sequence file), so
@@ -29,7 +29,7 @@ use crc32fast::{hash as crc32, Hasher};
 
 /// The first bytes of a checked state file.
 pub(crate) const MAGIC: &[u8; 8] = b"H2OSTATE";
-/// The format [`write_atomic`] writes and [`read_checked`] reads.
+/// The format [`write_atomic`] writes and [`check`] reads.
 const VERSION: u32 = 1;
 /// magic, version, reserved (0), state length (u64), state CRC-32, header CRC-32 (of the 28 bytes
 /// before it)
@@ -141,8 +141,8 @@ pub(crate) fn read(path: &Path) -> Result<Vec<u8>, String> {
 
 /// Writes `state` (the parts one after another) to `path` behind a checked header, atomically:
 /// through a temporary file in the same directory that is flushed to disk and renamed over
-/// `path`. Returns the bytes written. On any error the temporary file is removed and `path` is
-/// as it was; the message says which step failed.
+/// `path`. Returns the bytes written. On any error before the rename the temporary file is
+/// removed and `path` is as it was; the message says which step failed and what `path` holds.
 pub(crate) fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<u64, String> {
     let name = path
         .file_name()
@@ -164,7 +164,12 @@ pub(crate) fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<u64, String> 
         .write(true)
         .create_new(true)
         .open(&tmp)
-        .map_err(|e| format!("cannot create a temporary file in {}: {e}", dir.display()))?;
+        .map_err(|e| {
+            format!(
+                "cannot create a temporary file in {}: {e}; the file is unchanged",
+                dir.display()
+            )
+        })?;
     let written = write_parts(&mut file, parts).and_then(|n| {
         file.sync_all()?;
         Ok(n)
@@ -174,17 +179,23 @@ pub(crate) fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<u64, String> 
         Ok(n) => n,
         Err(e) => {
             let _ = fs::remove_file(&tmp);
-            return Err(format!("writing the state failed: {e}"));
+            return Err(format!(
+                "writing the state failed: {e}; the file is unchanged"
+            ));
         }
     };
     if let Err(e) = fs::rename(&tmp, path) {
         let _ = fs::remove_file(&tmp);
-        return Err(format!("cannot replace it: {e}"));
+        return Err(format!("cannot replace it: {e}; the file is unchanged"));
     }
     // the rename itself is durable only once the directory is
-    File::open(&dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| format!("saved, but flushing {} failed: {e}", dir.display()))?;
+    File::open(&dir).and_then(|d| d.sync_all()).map_err(|e| {
+        format!(
+            "the new state replaced the file, but flushing {} failed: {e} (a power cut could \
+                 still undo the replacement)",
+            dir.display()
+        )
+    })?;
     Ok(written)
 }
 

@@ -67,8 +67,7 @@ impl ParallelSession<'_> {
             head.extend_from_slice(&t.to_le_bytes());
         }
         head.extend_from_slice(&(written as u64).to_le_bytes());
-        let bytes = state_file::write_atomic(path, &[&head, &state])
-            .map_err(|reason| failed(format!("{reason}; the file is unchanged")))?;
+        let bytes = state_file::write_atomic(path, &[&head, &state]).map_err(failed)?;
         Ok((book.tokens.len(), bytes as usize))
     }
 
