@@ -14,7 +14,7 @@
 #                h2o-server/tests/fuzz-corpus/
 #   cli          random command lines through h2o-cli's flag parsing and checks (h2o-cli's
 #                src/fuzz.rs); failing cases go to h2o-cli/tests/fuzz-corpus/
-# The executions and findings of each run are printed at the end (README, "Saved states").
+# The executions and findings of each run are printed at the end (docs/library.md, "Saved states").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 budget=${1:-300}

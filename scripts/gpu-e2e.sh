@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End to end on a GPU machine: h2o-cli built with CUDA (scripts/cuda-cross-build.sh) with every layer
-# offloaded, after `scripts/gpu-test.sh start` kept the carried files there (README, "CUDA"):
+# offloaded, after `scripts/gpu-test.sh start` kept the carried files there (docs/cuda.md):
 #
 #   scripts/gpu-e2e.sh OUTDIR [STEP ...]     # STEPs, in this order by default:
 #     quality  perplexity and KLD against full attention, -ngl 99: the default model, two texts, 4K and

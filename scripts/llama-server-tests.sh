@@ -4,7 +4,7 @@
 # maps llama-server's command line (the suite's tiny HuggingFace models give way to the default
 # model). The tests are not part of this repository; give a checkout of ggml-org/llama.cpp:
 #
-#   scripts/llama-server-tests.sh ~/src/llama.cpp                 # the files README counts
+#   scripts/llama-server-tests.sh ~/src/llama.cpp                 # the files docs/server.md counts
 #   scripts/llama-server-tests.sh ~/src/llama.cpp unit/test_tool_call.py -k tiny_fast
 #   H2O_SERVER_ARGS="--h2o-local 16 --h2o-heavy 16" scripts/llama-server-tests.sh ~/src/llama.cpp
 #

@@ -32,9 +32,9 @@ fn config(decode_budget: u32) -> SessionConfig {
 /// any other).
 fn prompt(n: usize) -> Vec<Token> {
     let m = common::model();
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/architecture.md")).unwrap();
     let tokens = m.tokenize(&text, true, false).unwrap();
-    assert!(tokens.len() >= n, "README.md is shorter than {n} tokens");
+    assert!(tokens.len() >= n, "docs/architecture.md is shorter than {n} tokens");
     tokens[..n].to_vec()
 }
 

@@ -24,7 +24,7 @@ mod fuzz;
 mod heavy_hitters;
 mod perplexity;
 
-/// Exit codes (documented in README): distinct per failure class.
+/// Exit codes (documented in docs/cli.md): distinct per failure class.
 mod exit {
     #[allow(dead_code)] // clap exits with it itself; listed so the table is complete
     pub const USAGE: u8 = 2;

@@ -31,7 +31,7 @@ mod sse;
 use engine::{EngineConfig, EngineHandle, RequestDefaults};
 use jinja::JinjaMode;
 
-/// Exit codes, as h2o-cli's (README): distinct per failure class.
+/// Exit codes, as h2o-cli's (docs/cli.md): distinct per failure class.
 mod exit {
     #[allow(dead_code)] // clap exits with it itself; listed so the table is complete
     pub const USAGE: u8 = 2;

@@ -7,7 +7,7 @@
 //!   against full attention's;
 //! - budgets that follow estimated coverage across heads and layers, at the same average.
 //!
-//! `h2o-cli coverage` is its front end; README's "Where the attention is" holds its results.
+//! `h2o-cli coverage` is its front end; docs/results/coverage/README.md holds its results.
 
 use std::ops::Range;
 

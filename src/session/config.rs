@@ -23,7 +23,7 @@ pub enum Selection {
     /// `coverage`: every tile of 64 queries chooses its own memory, position by position, from
     /// the exact attention of one query in 16 of it; the heavy budget is shared by all heads'
     /// tiles of a chunk and goes where it covers the most estimated attention, until a tile's
-    /// estimate reaches [`H2oConfig::coverage`] (see README, "Where the attention is").
+    /// estimate reaches [`H2oConfig::coverage`] (see docs/results/coverage/README.md).
     Coverage,
 }
 
@@ -158,9 +158,10 @@ impl H2oConfig {
         }
     }
 
-    /// The selection this project recommends (the CLI's defaults), measured in README's
-    /// "Memory selection" table: hybrid (half query-aware blocks, half heavy hitters), the first
-    /// positions as sinks, and a dense tail for the question at the end of a prompt.
+    /// The selection this project recommends (the CLI's defaults), measured in
+    /// docs/results/selection/README.md ("Perplexity"): hybrid (half query-aware blocks, half
+    /// heavy hitters), the first positions as sinks, and a dense tail for the question at the end
+    /// of a prompt.
     #[must_use]
     pub fn new(local: u32, heavy: u32) -> Self {
         Self {
@@ -191,9 +192,9 @@ impl H2oConfig {
     pub const DECODE_BLOCK: u32 = 16;
 
     /// The sketch this project recommends for key heads of `head_dim` channels, measured in
-    /// README's "A sketch by the heads' width": a quarter of heads up to 128 channels (16 of
-    /// SmolLM2's 64), half of wider ones (128 of Gemma 3's 256, where a quarter lost more than
-    /// +3 % on a novel at 32K and half did not).
+    /// docs/results/coverage/README.md, "A sketch by the heads' width": a quarter of heads up to
+    /// 128 channels (16 of SmolLM2's 64), half of wider ones (128 of Gemma 3's 256, where a
+    /// quarter lost more than +3 % on a novel at 32K and half did not).
     #[must_use]
     pub fn recommended_tile_sketch(head_dim: u32) -> u32 {
         if head_dim > 128 {

@@ -16,7 +16,7 @@
 //! - **Older files.** A file without the header (saved before this format) is still read, as
 //!   [`Integrity::Unverified`]: nothing can check it, and callers say so.
 //!
-//! CRC-32 was chosen by measurement (`benches/checksum`, README "Saved states"): the cheapest of
+//! CRC-32 was chosen by measurement (`benches/checksum`, docs/results/saved-states/README.md): the cheapest of
 //! CRC-32, XXH3-64 and BLAKE3 next to writing the file, 5 % of a flushed write, and it detects
 //! every error confined to 32 consecutive bits, so every flipped byte, with certainty.
 
