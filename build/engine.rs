@@ -45,7 +45,7 @@ struct Group {
 }
 
 /// The units of common/ that llama-server's JSON schema conversion and chat templates need
-/// (patches 0022 and 0024): the converter, the Jinja engine, the chat templates with their
+/// (their C entry points are engine/common/*-c.*): the converter, the Jinja engine, the chat templates with their
 /// tool call parsers, their JSON library and logging, the C entry points, and the helpers of
 /// common.cpp they use (common-standalone.cpp), in place of common.cpp itself.
 pub const COMMON_SOURCES: &[&str] = &[
@@ -134,6 +134,21 @@ const UNITS: &[Group] = &[
         ]),
         headers: "ggml",
         patched_only: false,
+    },
+    // the H2O units (engine/): the seed rule's memory set in ggml-base, the ops' CPU kernels
+    Group {
+        dir: "ggml/src",
+        arch: &[],
+        sources: Sources::Listed(&["ggml-h2o.cpp"]),
+        headers: "ggml",
+        patched_only: true,
+    },
+    Group {
+        dir: "ggml/src/ggml-cpu",
+        arch: &[],
+        sources: Sources::Listed(&["h2o-attn.cpp", "h2o-decode.cpp"]),
+        headers: "ggml",
+        patched_only: true,
     },
     // ggml-cpu's architecture-specific kernels
     Group {

@@ -3,8 +3,9 @@
 //! (`main`) and `fail`; each step lives in its module:
 //! 1. `source`: obtain the pristine tree with `cargo vendor` (checksum-pinned by
 //!    `vendor/pin/Cargo.lock`) and copy it into `OUT_DIR`;
-//! 2. `patches`: apply `patches/series` in order (the `stock` feature skips this); `version`
-//!    writes the version headers upstream's CMake would generate;
+//! 2. `patches`: add the H2O source files of `engine/`, then apply the hooks of `patches/series`
+//!    in order (the `stock` feature skips both); `version` writes the version headers upstream's
+//!    CMake would generate;
 //! 3. `cpu`: compile the CPU build with the system C/C++ compiler — no cmake needed — always
 //!    optimised, from the units and flags of `engine`, through the content-addressed object cache
 //!    of `objcache` shared by every profile and flavour; plus the C++ test programs of `tests/cpp`;
@@ -31,7 +32,7 @@ use bindings::provide_bindings;
 use cmake::build_with_cmake;
 use cpu::build_cpu;
 use objcache::object_cache_dir;
-use patches::apply_patches;
+use patches::{add_engine_files, apply_patches};
 use source::{obtain_pristine, pinned_package, prepare_tree, sync_tree};
 use version::write_version_headers;
 
@@ -45,6 +46,7 @@ fn main() {
         "build",
         "vendor/pin/Cargo.toml",
         "vendor/pin/Cargo.lock",
+        "engine",
         "patches",
         "src/sys",
         "tests/cpp",
@@ -78,6 +80,7 @@ fn main() {
             "cargo:warning=h2o-llama: `stock` feature: building pristine llama.cpp without patches"
         );
     } else {
+        add_engine_files(&manifest_dir, &staging);
         apply_patches(&manifest_dir, &staging);
     }
     sync_tree(&staging, &tree);

@@ -1,5 +1,7 @@
-//! The patch series: the ordered list in `patches/series`, applied to the copied tree with
-//! `git apply` (a patch that does not apply fails the build and names the patch).
+//! Our changes to the copied pristine tree, in two steps: the H2O source files of `engine/`
+//! copied in at the same paths (they add files, never replace upstream's), then the hook series,
+//! the ordered list in `patches/series`, applied with `git apply` (a patch that does not apply
+//! fails the build and names the patch).
 
 use std::fs;
 use std::path::Path;
@@ -17,6 +19,38 @@ fn patch_series(manifest_dir: &Path) -> Vec<String> {
         .filter(|l| !l.is_empty())
         .map(str::to_string)
         .collect()
+}
+
+/// Copies every file under `engine/` into `tree` at the same relative path. A file that
+/// upstream already has fails the build: the engine only adds translation units and headers,
+/// and what it changes in upstream's files goes through a hook patch.
+pub fn add_engine_files(manifest_dir: &Path, tree: &Path) {
+    fn walk(from: &Path, rel: &Path, tree: &Path) {
+        let entries =
+            fs::read_dir(from).unwrap_or_else(|e| fail(format!("read {}: {e}", from.display())));
+        for entry in entries {
+            let entry = entry.unwrap_or_else(|e| fail(format!("read {}: {e}", from.display())));
+            let rel = rel.join(entry.file_name());
+            let ty = entry.file_type().unwrap();
+            if ty.is_dir() {
+                walk(&entry.path(), &rel, tree);
+            } else if ty.is_file() {
+                let dst = tree.join(&rel);
+                if dst.exists() {
+                    fail(format!(
+                        "engine/{} would replace upstream's file; change upstream files through a \
+                         hook patch instead (patches/README.md)",
+                        rel.display()
+                    ));
+                }
+                fs::create_dir_all(dst.parent().unwrap())
+                    .unwrap_or_else(|e| fail(format!("mkdir {}: {e}", dst.display())));
+                fs::copy(entry.path(), &dst)
+                    .unwrap_or_else(|e| fail(format!("copy {}: {e}", dst.display())));
+            }
+        }
+    }
+    walk(&manifest_dir.join("engine"), Path::new(""), tree);
 }
 
 pub fn apply_patches(manifest_dir: &Path, tree: &Path) {

@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# Maintains the llama.cpp patch series in patches/ (see patches/README.md).
+# Maintains our changes to llama.cpp (see patches/README.md): the H2O source files in engine/ and
+# the hook series in patches/.
 set -euo pipefail
 
 usage() {
     cat <<'EOF'
 usage: scripts/patches.sh <command> [args]
 
-Maintains patches/, the series applied (in the order of patches/series) to the pristine
-llama.cpp shipped in the llama-cpp-sys-2 crate pinned by vendor/pin/Cargo.{toml,lock}.
+Maintains engine/ (the H2O source files, copied into llama.cpp's tree at the same paths) and
+patches/ (the hooks: the series applied, in the order of patches/series, to upstream's files),
+over the pristine llama.cpp shipped in the llama-cpp-sys-2 crate pinned by
+vendor/pin/Cargo.{toml,lock}.
 
 commands:
   apply <dir>         Vendor the pinned pristine llama.cpp into <dir> (must not exist, or be
                       empty), make it a git repository whose first commit (tag `h2o-base`) is
-                      the pristine tree, and `git am --3way` every patch of the series on top,
-                      one commit per patch. Edit there, commit, then `regenerate`.
-  regenerate <dir>    Rewrite patches/*.patch and patches/series from the commits after
-                      `h2o-base` in <dir> (a tree made by `apply`). One commit = one patch.
-  check               Verify that every patch of the series applies, in order, to the pinned
-                      pristine llama.cpp (in a temporary copy). Exits non-zero naming the first
-                      patch that does not.
+                      the pristine tree, whose second (tag `h2o-engine`) adds engine/'s files,
+                      and `git am --3way` every hook of the series on top, one commit per hook.
+                      Edit there, commit, then `regenerate`.
+  regenerate <dir>    Rewrite engine/ from the files <dir> (a tree made by `apply`) adds to
+                      `h2o-base`, and patches/*.patch and patches/series from the commits after
+                      `h2o-engine`, limited to upstream's files. One commit = one hook.
+  check               Verify that engine/'s files add to the pinned pristine llama.cpp without
+                      replacing any of its files and that every hook of the series applies, in
+                      order, after them (in a temporary copy). Exits non-zero naming the first
+                      file or hook that does not.
   bump <version>      Move the pin to llama-cpp-sys-2 <version> (vendor/pin/Cargo.toml and the
                       checksum in vendor/pin/Cargo.lock), then `apply` the series onto it in
                       target/patch-bump-<version> and say what to do next. That tree also holds
@@ -37,6 +43,7 @@ ROOT=$(pwd -P)
 CARGO=${CARGO:-cargo}
 CRATE=llama-cpp-sys-2
 BASE_TAG=h2o-base
+ENGINE_TAG=h2o-engine
 SERIES_HEADER="# Patch series applied, in order, to the pinned llama.cpp (see patches/README.md)."
 # Fixed identity, so that a fresh machine without a git identity can still make the trees.
 BOT_NAME="h2o-llama patches"
@@ -108,6 +115,18 @@ series_names() {
     sed -e 's/#.*//' -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$ROOT/patches/series" | grep -v '^$' || true
 }
 
+# add_engine <dir>: copies engine/'s files into <dir> at the same paths; none may replace a file
+# the tree already has (upstream's files change through hooks only).
+add_engine() {
+    local dir=$1 f
+    [ -d "$ROOT/engine" ] || die "engine/ does not exist"
+    while IFS= read -r f; do
+        [ ! -e "$dir/$f" ] || die "engine/$f would replace upstream's $f; change it through a hook instead"
+        mkdir -p "$dir/$(dirname "$f")"
+        cp "$ROOT/engine/$f" "$dir/$f"
+    done < <(cd "$ROOT/engine" && find . -type f | sed 's|^\./||' | LC_ALL=C sort)
+}
+
 plural() { if [ "$1" = 1 ]; then echo "$1 $2"; else echo "$1 ${2}es"; fi; }
 
 # ---------------------------------------------------------------------------------------------
@@ -159,8 +178,15 @@ do_apply() {
         echo "== previous pristine recorded as tag h2o-prev-base (for 3-way merges)" >&2
     fi
 
+    add_engine "$dir"
+    git_in "$dir" add -A -f .
+    git_in "$dir" -c user.name="$BOT_NAME" -c user.email="$BOT_EMAIL" -c commit.gpgSign=false \
+        commit -q --no-verify --allow-empty -m "H2O source files (engine/)"
+    git_in "$dir" tag "$ENGINE_TAG"
+    echo "== engine/ added, tagged $ENGINE_TAG" >&2
+
     if [ ${#names[@]} -eq 0 ]; then
-        echo "patches/series is empty: $dir is the pristine tree at $BASE_TAG" >&2
+        echo "patches/series is empty: $dir is the pristine tree plus engine/ at $ENGINE_TAG" >&2
         return
     fi
     local files=()
@@ -186,8 +212,8 @@ EOF
         APPLY_CONFLICT=1
         return
     fi
-    i=$(git_in "$dir" rev-list --count "$BASE_TAG..HEAD")
-    echo "applied $(plural "$i" patch) on $CRATE $version in $dir" >&2
+    i=$(git_in "$dir" rev-list --count "$ENGINE_TAG..HEAD")
+    echo "applied engine/ and $(plural "$i" patch) on $CRATE $version in $dir" >&2
 }
 
 cmd_apply() {
@@ -204,6 +230,8 @@ cmd_regenerate() {
     dir=$(cd "$dir" && pwd -P)
     git_in "$dir" rev-parse -q --verify "refs/tags/$BASE_TAG" >/dev/null \
         || die "$dir has no tag $BASE_TAG (make it with \`scripts/patches.sh apply\`)"
+    git_in "$dir" rev-parse -q --verify "refs/tags/$ENGINE_TAG" >/dev/null \
+        || die "$dir has no tag $ENGINE_TAG (make it with \`scripts/patches.sh apply\`)"
     if [ -d "$dir/.git/rebase-apply" ] || [ -d "$dir/.git/rebase-merge" ]; then
         die "a git am/rebase is in progress in $dir; finish it (git am --continue) first"
     fi
@@ -212,7 +240,7 @@ cmd_regenerate() {
     fi
     untracked=$(git_in "$dir" ls-files --others --exclude-standard)
     if [ -n "$untracked" ]; then
-        echo "patches.sh: warning: untracked files in $dir are not part of any patch:" >&2
+        echo "patches.sh: warning: untracked files in $dir are neither in engine/ nor in a hook:" >&2
         printf '  %s\n' $untracked | head -20 >&2
     fi
     version=$(pinned_version)
@@ -223,6 +251,26 @@ cmd_regenerate() {
         die "$BASE_TAG..HEAD in $dir contains merge commits; make the history linear first"
     fi
 
+    # engine/: every file the tree adds to upstream's, as HEAD has it
+    local added=() upstream=() f engine_changes
+    mapfile -t added < <(git_in "$dir" diff --name-only --no-renames --diff-filter=A "$BASE_TAG" HEAD)
+    mapfile -t upstream < <(git_in "$dir" diff --name-only --no-renames --diff-filter=MDT "$BASE_TAG" HEAD)
+    mkdir -p "$WORK/engine"
+    for f in "${added[@]}"; do
+        mkdir -p "$WORK/engine/$(dirname "$f")"
+        git_in "$dir" show "HEAD:$f" >"$WORK/engine/$f"
+    done
+    engine_changes=$(diff -rq "$ROOT/engine" "$WORK/engine" 2>/dev/null | sed -E \
+        -e "s|^Files $ROOT/(engine/[^ ]*) and .* differ$|changed   \\1|" \
+        -e "s|^Only in $WORK/engine/?([^:]*): (.*)$|added     engine/\\1/\\2|" \
+        -e "s|^Only in $ROOT/engine/?([^:]*): (.*)$|removed   engine/\\1/\\2|" -e "s|engine//|engine/|" || true)
+    rm -rf "$ROOT/engine"
+    cp -a "$WORK/engine" "$ROOT/engine"
+    if [ -n "$engine_changes" ]; then
+        sed 's/^/  /' <<<"$engine_changes"
+        changes=1
+    fi
+
     mkdir -p "$WORK/old"
     mapfile -t old_names < <(cd "$ROOT/patches" && ls -1 -- *.patch 2>/dev/null || true)
     for n in "${old_names[@]}"; do cp "$ROOT/patches/$n" "$WORK/old/"; done
@@ -230,11 +278,14 @@ cmd_regenerate() {
 
     rm -f "$ROOT"/patches/*.patch
     # The -c settings pin the output format against the user's git configuration
-    # (a:/b: prefixes are what `git apply -p1` in build/patches.rs expects).
-    git_in "$dir" -c diff.noprefix=false -c diff.mnemonicPrefix=false -c format.suffix=.patch \
-        -c format.coverLetter=false -c format.signature= \
-        format-patch -q --zero-commit --no-signature --no-numbered \
-        -o "$ROOT/patches" "$BASE_TAG..HEAD" >/dev/null
+    # (a:/b: prefixes are what `git apply -p1` in build/patches.rs expects). The hooks are the
+    # commits after the engine's, limited to upstream's files: engine/ holds the rest.
+    if [ ${#upstream[@]} -gt 0 ]; then
+        git_in "$dir" -c diff.noprefix=false -c diff.mnemonicPrefix=false -c format.suffix=.patch \
+            -c format.coverLetter=false -c format.signature= \
+            format-patch -q --zero-commit --no-signature --no-numbered \
+            -o "$ROOT/patches" "$ENGINE_TAG..HEAD" -- "${upstream[@]}" >/dev/null
+    fi
     mapfile -t new_names < <(cd "$ROOT/patches" && ls -1 -- *.patch 2>/dev/null || true)
     {
         echo "$SERIES_HEADER"
@@ -255,9 +306,9 @@ cmd_regenerate() {
         echo "  changed   patches/series"; changes=1
     fi
     if [ "$changes" = 0 ]; then
-        echo "patches/ unchanged ($(plural ${#new_names[@]} patch) from $dir)"
+        echo "engine/ and patches/ unchanged (${#added[@]} files, $(plural ${#new_names[@]} patch) from $dir)"
     else
-        echo "patches/ regenerated: $(plural ${#new_names[@]} patch) from $BASE_TAG..HEAD in $dir"
+        echo "engine/ and patches/ regenerated: ${#added[@]} files, $(plural ${#new_names[@]} patch) from $dir"
         echo "next: scripts/patches.sh check; if a public header changed, scripts/update-bindings.sh"
     fi
 }
@@ -271,6 +322,8 @@ cmd_check() {
     [ -n "$pristine" ] && [ -d "$pristine" ] || die "no pristine tree"
     tree="$WORK/tree"
     cp -a "$pristine" "$tree"
+    add_engine "$tree"
+    echo "  ok  engine/ ($(cd "$ROOT/engine" && find . -type f | wc -l) files, none of upstream's replaced)" >&2
     for n in "${names[@]}"; do
         i=$((i + 1))
         f="$ROOT/patches/$n"
@@ -293,9 +346,9 @@ cmd_check() {
             || echo "patches.sh: warning: patches/$n is not listed in patches/series" >&2
     done
     if [ ${#names[@]} = 1 ]; then
-        echo "1 patch applies cleanly to $CRATE $version"
+        echo "engine/ and 1 patch apply cleanly to $CRATE $version"
     else
-        echo "${#names[@]} patches apply cleanly to $CRATE $version"
+        echo "engine/ and ${#names[@]} patches apply cleanly to $CRATE $version"
     fi
 }
 
@@ -333,11 +386,12 @@ cmd_bump() {
 Pin moved to $CRATE $new (vendor/pin/Cargo.toml, vendor/pin/Cargo.lock). Next:
   1. in $dir: fix any conflicts (see above) and finish \`git am\`;
      drop patches that upstream has merged (\`git am --skip\` while one stops, or
-     \`git rebase -i $BASE_TAG\` afterwards);
+     \`git rebase -i $ENGINE_TAG\` afterwards); an engine/ file that upstream now has too stops
+     the apply: rename ours, or fold it into a hook;
   2. scripts/patches.sh regenerate $dir
   3. scripts/update-bindings.sh        (the public headers will have changed)
-  4. cargo test, and update the table in patches/README.md;
-     commit vendor/pin, patches/ and src/sys together.
+  4. cargo test (which also compiles engine/'s files against the new headers), and update the
+     table in patches/README.md; commit vendor/pin, engine/, patches/ and src/sys together.
 To abandon the bump: git checkout vendor/pin && rm -rf $dir
 EOF
     [ "$APPLY_CONFLICT" = 0 ] || exit 2

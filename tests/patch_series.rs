@@ -1,5 +1,6 @@
-//! The patch series applies, in order, to the pinned pristine llama.cpp, and the tree the
-//! engine was built from is exactly pristine + series (nothing patched in place, no drift).
+//! The engine's source files (`engine/`) add to the pinned pristine llama.cpp without replacing
+//! any of its files, the hook series then applies in order, and the tree the engine was built
+//! from is exactly pristine + engine files + series (nothing patched in place, no drift).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -81,6 +82,18 @@ fn series_applies_in_order_and_equals_the_built_tree() {
     let work = std::env::temp_dir().join(format!("h2o-llama-series-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     copy(Path::new(PRISTINE), &work);
+    let engine = files(&root.join("engine"));
+    assert!(!engine.is_empty(), "engine/ holds no source files");
+    for (rel, data) in engine {
+        let dst = work.join(&rel);
+        assert!(
+            !dst.exists(),
+            "engine/{} replaces upstream's file; it belongs in a hook patch",
+            rel.display()
+        );
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::write(dst, data).unwrap();
+    }
     for name in series() {
         let out = Command::new("git")
             .args(["apply", "--whitespace=nowarn", "-p1"])
@@ -105,7 +118,7 @@ fn series_applies_in_order_and_equals_the_built_tree() {
         .collect();
     assert!(
         differing.is_empty(),
-        "built tree differs from pristine + series in {differing:?}"
+        "built tree differs from pristine + engine/ + series in {differing:?}"
     );
     // And the pristine tree itself was not modified in place.
     if !series().is_empty() {

@@ -29,12 +29,16 @@ fn config(decode_budget: u32) -> SessionConfig {
 }
 
 /// A prompt of `n` tokens of varied text (a repeated paragraph would let any block stand for
-/// any other).
+/// any other): the pinned llama.cpp's README, which changes only with the pin.
 fn prompt(n: usize) -> Vec<Token> {
     let m = common::model();
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/architecture.md")).unwrap();
+    let text =
+        std::fs::read_to_string(concat!(env!("H2O_LLAMA_PRISTINE_DIR"), "/README.md")).unwrap();
     let tokens = m.tokenize(&text, true, false).unwrap();
-    assert!(tokens.len() >= n, "docs/architecture.md is shorter than {n} tokens");
+    assert!(
+        tokens.len() >= n,
+        "llama.cpp's README.md is shorter than {n} tokens"
+    );
     tokens[..n].to_vec()
 }
 

@@ -1,0 +1,1034 @@
+// The H2O state of llama_kv_cache (swa_type == LLAMA_SWA_TYPE_H2O): per layer and stream the scores, memory sets and
+// chunk sums of the sparse prefill, the chunk bookkeeping, the undo log of prompt cuts, the key sketches of sparse
+// decode, and their part of llama.cpp's state files. The class and its H2O members are declared in llama-kv-cache.h.
+
+#include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-model.h"
+#include "llama-context.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <unordered_map>
+
+//
+// H2O chunked sparse prefill
+//
+
+// the rounding of ggml_fp32_to_bf16 (to nearest even, NaN kept quiet), inlined for the per-score loops
+static inline ggml_bf16_t h2o_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+
+    ggml_bf16_t h;
+    if ((u & 0x7fffffff) > 0x7f800000) {
+        h.bits = (u >> 16) | 64;
+        return h;
+    }
+    h.bits = (u + (0x7fff + ((u >> 16) & 1))) >> 16;
+    return h;
+}
+
+static inline float h2o_bf16_to_f32(ggml_bf16_t h) {
+    const uint32_t u = (uint32_t) h.bits << 16;
+
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// host access to an H2O state tensor: its own memory on a host buffer, a staged copy otherwise
+// (a device buffer is written back by commit())
+struct llama_h2o_host_view {
+    ggml_tensor * t;
+    uint8_t     * data;
+
+    std::vector<uint8_t> staging;
+
+    explicit llama_h2o_host_view(ggml_tensor * t) : t(t) {
+        if (ggml_backend_buffer_is_host(t->buffer)) {
+            data = (uint8_t *) t->data;
+        } else {
+            staging.resize(ggml_nbytes(t));
+            ggml_backend_tensor_get(t, staging.data(), 0, staging.size());
+            data = staging.data();
+        }
+    }
+
+    void commit() {
+        if (!staging.empty()) {
+            ggml_backend_tensor_set(t, staging.data(), 0, staging.size());
+        }
+    }
+};
+
+bool llama_kv_cache::h2o_enabled() const {
+    return swa_type == LLAMA_SWA_TYPE_H2O && h2o_memory_size > 0;
+}
+
+size_t llama_kv_cache::h2o_size_bytes() const {
+    size_t size = 0;
+
+    for (const auto & hs : h2o_strm) {
+        for (size_t i = 0; i < hs.scores.size(); ++i) {
+            size += ggml_nbytes(hs.scores[i]) + ggml_nbytes(hs.memory_indices[i]) + ggml_nbytes(hs.accumulators[i]);
+        }
+    }
+    for (size_t i = 0; i < h2o_dec_summ.size(); ++i) {
+        size += ggml_nbytes(h2o_dec_summ[i]) + ggml_nbytes(h2o_dec_summ_n[i]) + ggml_nbytes(h2o_dec_keys[i]);
+    }
+
+    return size;
+}
+
+void llama_kv_cache::h2o_set_decode(uint32_t n_budget, float coverage) {
+    GGML_ASSERT(h2o_enabled() && h2o_dec_summ.empty());
+
+    h2o_dec_budget   = n_budget;
+    h2o_dec_coverage = coverage;
+    if (n_budget == 0) {
+        return;
+    }
+
+    const int64_t n_block = (get_size() + GGML_H2O_DECODE_BLOCK - 1)/GGML_H2O_DECODE_BLOCK;
+
+    // one context per buffer type of the layers' K, so that each layer's summaries live where its keys do
+    std::vector<std::pair<ggml_backend_buffer_type_t, ggml_context_ptr>> ctxs;
+    for (const auto & layer : layers) {
+        ggml_backend_buffer_t k_buf = layer.k->view_src ? layer.k->view_src->buffer : layer.k->buffer;
+        ggml_backend_buffer_type_t buft = k_buf ? ggml_backend_buffer_get_type(k_buf) : ggml_backend_cpu_buffer_type();
+
+        auto it = std::find_if(ctxs.begin(), ctxs.end(), [&](const auto & e) { return e.first == buft; });
+        if (it == ctxs.end()) {
+            ggml_init_params params = {
+                /*.mem_size   =*/ 3*layers.size()*ggml_tensor_overhead(),
+                /*.mem_buffer =*/ NULL,
+                /*.no_alloc   =*/ true,
+            };
+            ctxs.emplace_back(buft, ggml_context_ptr(ggml_init(params)));
+            it = ctxs.end() - 1;
+        }
+
+        const int32_t il = layer.il;
+
+        // each block's sketch: a quarter of the head's channels, 8 bits each and a scale, for its 16 positions; a KV
+        // head's blocks one after another, so that a step's estimate reads each head's sketches as one run
+        // (h2o_build_decode views them in the op's order, [sketch, head, block, stream])
+        const int64_t n_chan = hparams.n_embd_head_k(il)/4;
+        ggml_tensor * summ   = ggml_new_tensor_4d(it->second.get(), GGML_TYPE_I8,
+                GGML_H2O_DECODE_SKETCH_SIZE(hparams.n_embd_head_k(il)), n_block, hparams.n_head_kv(il), n_stream);
+        ggml_tensor * summ_n = ggml_new_tensor_2d(it->second.get(), GGML_TYPE_I32, 3 + n_chan*hparams.n_head_kv(il), n_stream);
+        ggml_tensor * keys   = ggml_new_tensor_1d(it->second.get(), GGML_TYPE_F32, n_stream);
+        ggml_format_name(summ,   "h2o_dec_summ_l%d",   il);
+        ggml_format_name(summ_n, "h2o_dec_summ_n_l%d", il);
+        ggml_format_name(keys,   "h2o_dec_keys_l%d",   il);
+
+        h2o_dec_summ.push_back(summ);
+        h2o_dec_summ_n.push_back(summ_n);
+        h2o_dec_keys.push_back(keys);
+    }
+
+    for (auto & [buft, ctx] : ctxs) {
+        // the size before allocating: once allocated, the context's tensors count for nothing more
+        const size_t size = ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.get(), buft);
+        ggml_backend_buffer_t buf = nullptr;
+        if (!hparams.no_alloc) {
+            buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+            if (!buf) {
+                throw std::runtime_error("H2O: failed to allocate the key sketches of sparse decode");
+            }
+            ggml_backend_buffer_clear(buf, 0);
+        }
+        LLAMA_LOG_INFO("%s: H2O sparse decode, budget %u positions: key sketches %7.2f MiB on %s\n", __func__,
+                n_budget, size/1024.0/1024.0, ggml_backend_buft_name(buft));
+        h2o_dec_bufs.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
+    }
+    for (uint32_t s = 0; s < h2o_strm.size(); ++s) {
+        h2o_decode_write_own(s);
+    }
+}
+
+void llama_kv_cache::h2o_set_decode_budget_seq(llama_seq_id seq_id, int32_t n_budget) {
+    GGML_ASSERT(h2o_enabled() && h2o_dec_budget > 0 && n_budget >= -1);
+
+    const uint32_t s = h2o_stream(seq_id);
+    h2o_strm[s].n_decode_budget = n_budget;
+    h2o_decode_write_own(s);
+}
+
+uint32_t llama_kv_cache::h2o_decode_budget(uint32_t s0, uint32_t s1) const {
+    uint32_t budget = UINT32_MAX;
+    for (uint32_t s = s0; s <= s1 && s < h2o_strm.size(); ++s) {
+        const int32_t own = h2o_strm[s].n_decode_budget;
+        budget = std::min(budget, own >= 0 ? (uint32_t) own : h2o_dec_budget);
+    }
+    return budget == UINT32_MAX ? h2o_dec_budget : budget;
+}
+
+float llama_kv_cache::h2o_decode_keys_read(uint32_t s) const {
+    if (h2o_dec_keys.empty() || hparams.no_alloc) {
+        return 0.0f;
+    }
+
+    double sum = 0.0;
+    for (ggml_tensor * keys : h2o_dec_keys) {
+        float n = 0.0f;
+        ggml_backend_tensor_get(keys, &n, s*sizeof(float), sizeof(float));
+        sum += n;
+    }
+    return (float) (sum/h2o_dec_keys.size());
+}
+
+void llama_kv_cache::h2o_decode_write_own(uint32_t s) {
+    if (h2o_dec_summ_n.empty() || hparams.no_alloc) {
+        return;
+    }
+
+    // the stream's sink, and its own budget (-1: the context's)
+    const int32_t own[2] = { (int32_t) h2o_strm[s].n_sink, h2o_strm[s].n_decode_budget };
+    for (ggml_tensor * summ_n : h2o_dec_summ_n) {
+        ggml_backend_tensor_set(summ_n, own, s*summ_n->nb[1] + (summ_n->ne[0] - 2)*sizeof(int32_t), sizeof(own));
+    }
+}
+
+void llama_kv_cache::h2o_decode_invalidate(uint32_t s, llama_pos p) {
+    if (h2o_dec_summ_n.empty() || hparams.no_alloc) {
+        return;
+    }
+
+    const int32_t keep = std::max<llama_pos>(p, 0)/GGML_H2O_DECODE_BLOCK;
+    for (ggml_tensor * summ_n : h2o_dec_summ_n) {
+        int32_t n = 0;
+        ggml_backend_tensor_get(summ_n, &n, s*summ_n->nb[1], sizeof(int32_t));
+        if (n > keep) {
+            ggml_backend_tensor_set(summ_n, &keep, s*summ_n->nb[1], sizeof(int32_t));
+        }
+    }
+}
+
+ggml_tensor * llama_kv_cache::h2o_build_decode(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+        ggml_tensor * kq_mask, int32_t il, float kq_scale, uint32_t s0, uint32_t s1) const {
+    const int32_t ikv = map_layer_ids.at(il);
+    const int64_t ns  = s1 - s0 + 1;
+
+    ggml_tensor * summ   = h2o_dec_summ[ikv];
+    ggml_tensor * summ_n = h2o_dec_summ_n[ikv];
+
+    // the streams of this ubatch; one query per sequence, in stream order (as build_attn_mha splits them)
+    summ   = ggml_view_4d(ctx, summ, summ->ne[0], summ->ne[2], summ->ne[1], ns, summ->nb[2], summ->nb[1], summ->nb[3],
+            s0*summ->nb[3]);
+    summ_n = ggml_view_2d(ctx, summ_n, summ_n->ne[0], ns, summ_n->nb[1], s0*summ_n->nb[1]);
+    q      = ggml_reshape_4d(ctx, q, q->ne[0], q->ne[1], q->ne[2]/ns, ns);
+
+    // each stream's sink and budget are in its row of summ_n (h2o_decode_write_own); the op's are the context's. The
+    // local window is L, as in the prefill
+    ggml_tensor * out = ggml_h2o_decode(ctx, q, k, v, kq_mask, summ, summ_n, h2o_sink_size, h2o_local_window, h2o_dec_budget, kq_scale);
+    ggml_h2o_decode_set_coverage(out, h2o_dec_coverage);
+    ggml_h2o_decode_set_keys_read(out, ggml_view_1d(ctx, h2o_dec_keys[ikv], ns, s0*sizeof(float)));
+    return out;
+}
+
+void llama_kv_cache::h2o_reset_all() {
+    for (uint32_t s = 0; s < h2o_strm.size(); ++s) {
+        h2o_reset(s);
+    }
+}
+
+void llama_kv_cache::h2o_reset(uint32_t s) {
+    GGML_ASSERT(h2o_enabled() && s < h2o_strm.size());
+
+    auto & hs = h2o_strm[s];
+
+    h2o_decode_invalidate(s, 0);
+
+    if (!hparams.no_alloc) {
+        for (size_t i = 0; i < hs.scores.size(); ++i) {
+            ggml_backend_tensor_memset(hs.scores[i],         0x00, 0, ggml_nbytes(hs.scores[i]));
+            ggml_backend_tensor_memset(hs.memory_indices[i], 0xff, 0, ggml_nbytes(hs.memory_indices[i])); // -1: empty
+            ggml_backend_tensor_memset(hs.accumulators[i],   0x00, 0, ggml_nbytes(hs.accumulators[i]));
+        }
+    }
+
+    hs.chunk = {};
+    hs.memory_initialized = false;
+    hs.undo = {};
+
+    hs.select       = h2o_select_rule;
+    hs.n_sink       = h2o_sink_size;
+    hs.n_dense_tail = h2o_dense_tail_size;
+
+    hs.n_decode_budget = -1;
+    h2o_decode_write_own(s);
+}
+
+bool llama_kv_cache::h2o_at_chunk_boundary(uint32_t s) const {
+    const auto & st = h2o_strm[s].chunk;
+
+    return h2o_enabled() && st.current_chunk_idx > 0 && st.acc_chunk == -1 &&
+        st.mem_chunk + 1 == (int32_t) st.current_chunk_idx &&
+        st.total_tokens_processed == st.current_chunk_idx*h2o_chunk_size &&
+        st.prompt_end == st.total_tokens_processed;
+}
+
+void llama_kv_cache::h2o_set_undo_log(bool on) {
+    GGML_ASSERT(h2o_enabled());
+
+    h2o_undo_on = on;
+    for (auto & hs : h2o_strm) {
+        hs.undo = {};
+    }
+}
+
+void llama_kv_cache::h2o_undo_record(uint32_t s) {
+    GGML_ASSERT(h2o_undo_on && h2o_at_chunk_boundary(s));
+
+    auto & hs = h2o_strm[s];
+    auto & u  = hs.undo;
+
+    const uint32_t c = hs.chunk.current_chunk_idx;
+    if (u.valid && c == u.base_chunk) {
+        return;
+    }
+
+    // the next boundary after the base: log what its chunk changed; anything else starts the log here
+    const bool extend = u.valid && c == u.base_chunk + 1;
+
+    const size_t   n_layer = hs.scores.size();
+    const uint32_t n_base  = u.base_chunk*h2o_chunk_size; // positions with scores at the base
+    const uint32_t n_pos   = c*h2o_chunk_size;
+
+    h2o_chunk_undo entry;
+    if (extend) {
+        entry.mem = std::move(u.base_mem);
+        entry.mem.resize(n_layer);
+        entry.changed.resize(n_layer);
+        entry.old_value.resize(n_layer);
+    }
+
+    u.base_scores.resize(n_layer);
+    u.base_mem.assign(n_layer, {});
+
+    for (size_t i = 0; i < n_layer; ++i) {
+        ggml_tensor * scores  = hs.scores[i];
+        ggml_tensor * mem_idx = hs.memory_indices[i];
+
+        const uint32_t n_head  = scores->ne[1];
+        const uint32_t kv_size = scores->ne[0];
+
+        std::vector<uint16_t> cur((size_t) n_head*n_pos);
+        for (uint32_t ih = 0; ih < n_head; ++ih) {
+            ggml_backend_tensor_get(scores, cur.data() + (size_t) ih*n_pos, ih*scores->nb[1], n_pos*sizeof(uint16_t));
+        }
+
+        if (extend) {
+            // usually the M positions of the memory the chunk read, per head
+            const auto & base = u.base_scores[i];
+            entry.changed[i].reserve((size_t) n_head*h2o_memory_size);
+            entry.old_value[i].reserve((size_t) n_head*h2o_memory_size);
+            for (uint32_t ih = 0; ih < n_head; ++ih) {
+                for (uint32_t pos = 0; pos < n_base; ++pos) {
+                    const uint16_t before = base[(size_t) ih*n_base + pos];
+                    if (cur[(size_t) ih*n_pos + pos] != before) {
+                        entry.changed[i].push_back(ih*kv_size + pos);
+                        entry.old_value[i].push_back(before);
+                    }
+                }
+            }
+            entry.changed[i].shrink_to_fit();
+            entry.old_value[i].shrink_to_fit();
+            if (entry.mem[i].empty()) {
+                entry.mem[i].assign((size_t) n_head*h2o_memory_size, -1);
+            }
+        }
+
+        u.base_scores[i] = std::move(cur);
+        u.base_mem[i].resize((size_t) n_head*h2o_memory_size);
+        ggml_backend_tensor_get(mem_idx, u.base_mem[i].data(), 0, u.base_mem[i].size()*sizeof(int32_t));
+    }
+
+    if (extend) {
+        u.chunks.push_back(std::move(entry));
+    } else {
+        u.chunks.clear();
+        u.first = c;
+    }
+
+    u.base_chunk = c;
+    u.valid      = true;
+}
+
+// seq_rm of [p0, p1) from the sequence of stream s (sequence s; seq 0 in a unified cache): its scores and memory sets
+// describe it whole, so it can be removed as a whole, or cut where only decoded tokens go (they never entered the
+// scores), or cut at a chunk boundary the undo log reaches (undo_to = that boundary's chunk), not elsewhere
+bool llama_kv_cache::h2o_seq_rm_allowed(uint32_t s, llama_pos p0, llama_pos p1, int32_t & undo_to) const {
+    const auto & hs    = h2o_strm[s];
+    const auto & cells = v_cells[s];
+
+    const llama_seq_id seq = s;
+
+    undo_to = -1;
+
+    const llama_pos pos_min = cells.seq_pos_min(seq);
+    const llama_pos pos_max = cells.seq_pos_max(seq);
+
+    if (pos_max < 0 || p1 <= pos_min || p0 > pos_max) {
+        return true; // nothing to remove
+    }
+
+    const bool whole    = p0 <= pos_min && p1 > pos_max;
+    const bool cut_tail = p0 > pos_min && p1 > pos_max && p0 >= (llama_pos) hs.chunk.prompt_end;
+
+    // a cut into the scored positions at a chunk boundary the undo log reaches
+    const uint32_t S  = h2o_chunk_size;
+    const bool     to_boundary = !whole && !cut_tail && p0 > pos_min && p1 > pos_max && p0 % S == 0 &&
+        h2o_undo_on && hs.undo.valid && (uint32_t) p0/S >= hs.undo.first && (uint32_t) p0/S <= hs.undo.base_chunk;
+
+    if (!whole && !cut_tail && !to_boundary) {
+        if (h2o_undo_on) {
+            const uint32_t first = hs.undo.valid ? hs.undo.first*S : hs.chunk.prompt_end;
+            LLAMA_LOG_ERROR("%s: H2O: cannot remove positions [%d, %d) of sequence %d holding [%d, %d]: its prompt batches "
+                    "scored positions up to %u, so it can be removed whole, cut from position %u on, or cut at a chunk "
+                    "boundary (a multiple of n_ubatch = %u) from %u on; to keep [0, %d), cut at %d and evaluate the "
+                    "positions from there again\n",
+                    __func__, p0, p1, seq, pos_min, pos_max, hs.chunk.prompt_end, hs.chunk.prompt_end, S, first, p0,
+                    p0/(llama_pos) S*(llama_pos) S);
+        } else {
+            LLAMA_LOG_ERROR("%s: H2O: cannot remove positions [%d, %d) of sequence %d holding [%d, %d]: its prompt batches "
+                    "scored positions up to %u, so it can be removed whole or cut from position %u on; with h2o_undo_log "
+                    "on in llama_context_params it can also be cut at a chunk boundary (a multiple of n_ubatch = %u)\n",
+                    __func__, p0, p1, seq, pos_min, pos_max, hs.chunk.prompt_end, hs.chunk.prompt_end, S);
+        }
+        return false;
+    }
+
+    if (to_boundary) {
+        undo_to = p0/(llama_pos) S;
+    }
+
+    return true;
+}
+
+void llama_kv_cache::h2o_copy_stream(uint32_t s_src, uint32_t s_dst) {
+    const auto & src = h2o_strm[s_src];
+    auto       & dst = h2o_strm[s_dst];
+
+    for (size_t i = 0; i < src.scores.size(); ++i) {
+        ggml_backend_tensor_copy(src.scores[i],         dst.scores[i]);
+        ggml_backend_tensor_copy(src.memory_indices[i], dst.memory_indices[i]);
+        ggml_backend_tensor_copy(src.accumulators[i],   dst.accumulators[i]);
+    }
+
+    // the copied cells are not summarised in the destination's stream
+    h2o_decode_invalidate(s_dst, 0);
+
+    dst.chunk              = src.chunk;
+    dst.memory_initialized = src.memory_initialized;
+    dst.select             = src.select;
+    dst.n_sink             = src.n_sink;
+    dst.n_dense_tail       = src.n_dense_tail;
+    dst.n_decode_budget    = src.n_decode_budget;
+    dst.undo               = src.undo;
+
+    h2o_decode_write_own(s_dst);
+}
+
+bool llama_kv_cache::h2o_split_per_seq(const llama_batch_allocr & balloc) const {
+    if (!h2o_enabled() || n_stream == 1) {
+        return false;
+    }
+
+    for (uint32_t s = 0; s < n_seq_max; ++s) {
+        if (balloc.seq_pos_max(s) > balloc.seq_pos_min(s)) {
+            return true;
+        }
+    }
+
+    return false;
+}
+
+void llama_kv_cache::h2o_undo_to(uint32_t c, uint32_t s) {
+    auto & hs = h2o_strm[s];
+    auto & u  = hs.undo;
+
+    GGML_ASSERT(u.valid && u.first <= c && c <= u.base_chunk);
+
+    const uint32_t S      = h2o_chunk_size;
+    const uint32_t n_base = u.base_chunk*S;
+    const uint32_t n_pos  = c*S;
+
+    u.base_scores.resize(hs.scores.size());
+    u.base_mem.resize(hs.scores.size());
+
+    for (size_t i = 0; i < hs.scores.size(); ++i) {
+        ggml_tensor * scores  = hs.scores[i];
+        ggml_tensor * mem_idx = hs.memory_indices[i];
+
+        const uint32_t n_head  = scores->ne[1];
+        const uint32_t kv_size = scores->ne[0];
+
+        // from the base back to boundary c, chunk by chunk
+        std::vector<uint16_t> sc  = std::move(u.base_scores[i]);
+        std::vector<int32_t>  mem = std::move(u.base_mem[i]);
+        sc.resize((size_t) n_head*n_base);
+        mem.resize((size_t) n_head*h2o_memory_size, -1);
+        for (uint32_t k = u.base_chunk; k-- > c;) {
+            const auto & e = u.chunks[k - u.first];
+            for (size_t j = 0; j < e.changed[i].size(); ++j) {
+                const uint32_t ih  = e.changed[i][j]/kv_size;
+                const uint32_t pos = e.changed[i][j]%kv_size;
+                sc[(size_t) ih*n_base + pos] = e.old_value[i][j];
+            }
+            mem = e.mem[i];
+        }
+
+        std::vector<uint16_t> kept((size_t) n_head*n_pos);
+        for (uint32_t ih = 0; ih < n_head; ++ih) {
+            std::copy_n(sc.begin() + (size_t) ih*n_base, n_pos, kept.begin() + (size_t) ih*n_pos);
+            if (n_pos > 0) {
+                ggml_backend_tensor_set(scores, kept.data() + (size_t) ih*n_pos, ih*scores->nb[1], n_pos*sizeof(uint16_t));
+            }
+            ggml_backend_tensor_memset(scores, 0x00, ih*scores->nb[1] + n_pos*sizeof(uint16_t), (kv_size - n_pos)*sizeof(uint16_t));
+        }
+        ggml_backend_tensor_set(mem_idx, mem.data(), 0, mem.size()*sizeof(int32_t));
+        ggml_backend_tensor_memset(hs.accumulators[i], 0x00, 0, ggml_nbytes(hs.accumulators[i]));
+
+        u.base_scores[i] = std::move(kept);
+        u.base_mem[i]    = std::move(mem);
+    }
+
+    u.chunks.resize(c - u.first);
+    u.base_chunk = c;
+
+    // the chunk state a prefill of [0, cS) leaves
+    auto & st = hs.chunk;
+    st.current_chunk_idx      = c;
+    st.total_tokens_processed = n_pos;
+    st.chunk_boundaries.resize(c + 1);
+    for (uint32_t k = 0; k <= c; ++k) {
+        st.chunk_boundaries[k] = k*S;
+    }
+    st.mem_chunk  = (int32_t) c - 1;
+    st.acc_chunk  = -1;
+    st.prompt_end = n_pos;
+    st.last_sparse_chunk = std::min(st.last_sparse_chunk, (int32_t) c - 1); // the counts keep what ran
+
+    hs.memory_initialized = c > 0;
+}
+
+// the streams a state of seq_id holds: one stream for a sequence, all of them for the whole cache (-1)
+static std::vector<uint32_t> llama_h2o_state_streams(const std::vector<uint32_t> & seq_to_stream, uint32_t n_stream, llama_seq_id seq_id) {
+    if (seq_id >= 0) {
+        return { seq_to_stream.at(seq_id) };
+    }
+
+    std::vector<uint32_t> res(n_stream);
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        res[s] = s;
+    }
+
+    return res;
+}
+
+void llama_kv_cache::h2o_state_write_header(llama_io_write_i & io, llama_seq_id seq_id) const {
+    const auto streams = llama_h2o_state_streams(seq_to_stream, n_stream, seq_id);
+
+    // one selection for the header: a state of several streams whose sequences select differently cannot be saved
+    const auto & hs0 = h2o_strm[streams[0]];
+    for (uint32_t s : streams) {
+        if (h2o_strm[s].select != hs0.select || h2o_strm[s].n_sink != hs0.n_sink) {
+            throw std::runtime_error(format("H2O: sequences %u and %u select their memory differently (h2o_select %d/%d, "
+                    "h2o_sink %u/%u): save them one by one (llama_state_seq_save_file)",
+                    streams[0], s, (int) hs0.select, (int) h2o_strm[s].select, hs0.n_sink, h2o_strm[s].n_sink));
+        }
+    }
+
+    const uint32_t header[7] = {
+        LLAMA_H2O_STATE_MAGIC, LLAMA_H2O_STATE_VERSION,
+        h2o_local_window, h2o_heavy_budget, h2o_chunk_size, (uint32_t) hs0.select, hs0.n_sink,
+    };
+
+    io.write(header, sizeof(header));
+}
+
+void llama_kv_cache::h2o_state_read_header(llama_io_read_i & io, llama_seq_id seq_id, h2o_selection & sel) const {
+    // the magic has been read by the caller
+    uint32_t header[6];
+    io.read(header, sizeof(header));
+
+    const uint32_t version = header[0];
+    const uint32_t local   = header[1];
+    const uint32_t heavy   = header[2];
+    const uint32_t chunk   = header[3];
+    const uint32_t select  = header[4];
+    const uint32_t sink    = header[5];
+
+    if (version != LLAMA_H2O_STATE_VERSION) {
+        throw std::runtime_error(format("the state's H2O section has version %u, this build reads version %u",
+                version, LLAMA_H2O_STATE_VERSION));
+    }
+
+    if (!h2o_enabled()) {
+        throw std::runtime_error(format("the state was saved with H2O on (h2o_local = %u, h2o_heavy = %u, n_ubatch = %u): "
+                "load it into a context with the same settings", local, heavy, chunk));
+    }
+
+    if (local != h2o_local_window || heavy != h2o_heavy_budget || chunk != h2o_chunk_size) {
+        throw std::runtime_error(format("the state was saved with h2o_local = %u, h2o_heavy = %u, n_ubatch = %u; "
+                "this context has %u, %u, %u: load it into a context with the state's settings",
+                local, heavy, chunk, h2o_local_window, h2o_heavy_budget, h2o_chunk_size));
+    }
+
+    for (uint32_t s : llama_h2o_state_streams(seq_to_stream, n_stream, seq_id)) {
+        const auto & hs = h2o_strm[s];
+        if (select != (uint32_t) hs.select || sink != hs.n_sink) {
+            throw std::runtime_error(format("the state was saved with h2o_select = %u, h2o_sink = %u; this context has %u, %u: "
+                    "its scores and memory sets follow the state's policy, so load it into a context with that policy",
+                    select, sink, (uint32_t) hs.select, hs.n_sink));
+        }
+        sel = { hs.select, hs.n_sink, hs.n_dense_tail };
+    }
+}
+
+// after the streams: per stream of the state, the chunk bookkeeping, then per layer the scores of the stored
+// positions, the memory sets and the column sums of a chunk in progress
+void llama_kv_cache::h2o_state_write_data(llama_io_write_i & io, llama_seq_id seq_id) const {
+    const auto streams = llama_h2o_state_streams(seq_to_stream, n_stream, seq_id);
+
+    const uint32_t n_strm = streams.size();
+    io.write(&n_strm, sizeof(n_strm));
+
+    for (uint32_t s : streams) {
+        const auto & hs = h2o_strm[s];
+        const auto & st = hs.chunk;
+
+        // stream s holds sequence s (seq 0 in a unified cache, which serves one sequence)
+        const llama_pos pos_max = v_cells[s].seq_pos_max(s);
+        const uint32_t  n_pos   = pos_max < 0 ? 0 : (uint32_t) pos_max + 1;
+
+        const uint32_t n_bound = st.chunk_boundaries.size();
+        const uint32_t mem_init = hs.memory_initialized ? 1 : 0;
+
+        io.write(&n_pos,                     sizeof(n_pos));
+        io.write(&st.current_chunk_idx,      sizeof(st.current_chunk_idx));
+        io.write(&st.total_tokens_processed, sizeof(st.total_tokens_processed));
+        io.write(&n_bound,                   sizeof(n_bound));
+        io.write(st.chunk_boundaries.data(), n_bound*sizeof(uint32_t));
+        io.write(&st.mem_chunk,              sizeof(st.mem_chunk));
+        io.write(&st.acc_chunk,              sizeof(st.acc_chunk));
+        io.write(&mem_init,                  sizeof(mem_init));
+        io.write(&st.prompt_end,             sizeof(st.prompt_end));
+        io.write(&st.n_sparse_chunks,        sizeof(st.n_sparse_chunks));
+        io.write(&st.n_tail_tokens,          sizeof(st.n_tail_tokens));
+        io.write(&st.last_sparse_chunk,      sizeof(st.last_sparse_chunk));
+
+        const uint32_t n_layer = hs.scores.size();
+        io.write(&n_layer, sizeof(n_layer));
+
+        for (uint32_t i = 0; i < n_layer; ++i) {
+            ggml_tensor * scores  = hs.scores[i];
+            ggml_tensor * mem_idx = hs.memory_indices[i];
+            ggml_tensor * acc     = hs.accumulators[i];
+
+            const uint32_t n_head = scores->ne[1];
+            io.write(&n_head, sizeof(n_head));
+
+            // scores past the stored positions are zero (reset) and are set when their chunk arrives
+            for (uint32_t ih = 0; ih < n_head; ++ih) {
+                io.write_tensor(scores, ih*scores->nb[1], n_pos*ggml_element_size(scores));
+            }
+
+            io.write_tensor(mem_idx, 0, ggml_nbytes(mem_idx));
+            io.write_tensor(acc,     0, ggml_nbytes(acc));
+        }
+    }
+}
+
+void llama_kv_cache::h2o_state_read_data(llama_io_read_i & io, llama_seq_id seq_id, const h2o_selection & sel) {
+    auto read_u32 = [&io]() {
+        uint32_t v;
+        io.read(&v, sizeof(v));
+        return v;
+    };
+
+    const auto streams = llama_h2o_state_streams(seq_to_stream, n_stream, seq_id);
+
+    const uint32_t n_strm = read_u32();
+    if (n_strm != streams.size()) {
+        throw std::runtime_error(format("the H2O state holds %u sequences, the restore expects %zu", n_strm, streams.size()));
+    }
+
+    for (uint32_t s : streams) {
+        // the sequence's cells were emptied before they were read, and its H2O state with them (seq_rm of the whole
+        // sequence, or clear): every H2O tensor of the stream is in its reset state here
+        auto & hs = h2o_strm[s];
+
+        // the restored sequence: seq_id, or the one a stream holds (s) in a whole-cache restore
+        const llama_seq_id seq = seq_id >= 0 ? seq_id : (llama_seq_id) s;
+
+        const auto & cells = v_cells[s];
+
+        const llama_pos pos_max = cells.seq_pos_max(seq);
+        const uint32_t  n_cells = pos_max < 0 ? 0 : (uint32_t) pos_max + 1;
+
+        const uint32_t n_pos = read_u32();
+        if (n_pos != n_cells || n_pos > cells.size() || (n_pos > 0 && cells.seq_pos_min(seq) != 0)) {
+            throw std::runtime_error(format("the H2O state covers positions [0, %u), the restored cells [%d, %d]",
+                    n_pos, cells.seq_pos_min(seq), pos_max));
+        }
+
+        h2o_chunk_state st;
+        st.current_chunk_idx      = read_u32();
+        st.total_tokens_processed = read_u32();
+
+        const uint32_t n_bound = read_u32();
+        if (n_bound != st.current_chunk_idx + 1) {
+            throw std::runtime_error(format("the H2O chunk state lists %u chunk starts for %u chunks", n_bound, st.current_chunk_idx));
+        }
+        st.chunk_boundaries.resize(n_bound);
+        io.read(st.chunk_boundaries.data(), n_bound*sizeof(uint32_t));
+
+        io.read(&st.mem_chunk, sizeof(st.mem_chunk));
+        io.read(&st.acc_chunk, sizeof(st.acc_chunk));
+        const uint32_t mem_init = read_u32();
+        st.prompt_end = read_u32();
+        io.read(&st.n_sparse_chunks,   sizeof(st.n_sparse_chunks));
+        io.read(&st.n_tail_tokens,     sizeof(st.n_tail_tokens));
+        io.read(&st.last_sparse_chunk, sizeof(st.last_sparse_chunk));
+
+        // the chunks are aligned to positions: chunk c starts at c*S
+        bool valid = st.total_tokens_processed == st.current_chunk_idx*h2o_chunk_size && st.total_tokens_processed <= n_pos &&
+                     st.prompt_end <= n_pos &&
+                     st.n_sparse_chunks >= 0 && st.n_tail_tokens >= 0 && st.last_sparse_chunk >= -1 &&
+                     st.mem_chunk >= -1 && st.mem_chunk < (int32_t) st.current_chunk_idx &&
+                     (st.acc_chunk == -1 || st.acc_chunk == (int32_t) st.current_chunk_idx) && mem_init == (st.mem_chunk >= 0 ? 1u : 0u);
+        for (uint32_t c = 0; valid && c < n_bound; ++c) {
+            valid = st.chunk_boundaries[c] == c*h2o_chunk_size;
+        }
+        if (!valid) {
+            throw std::runtime_error("the H2O chunk state is inconsistent (a damaged state)");
+        }
+
+        const uint32_t n_layer = read_u32();
+        if (n_layer != hs.scores.size()) {
+            throw std::runtime_error(format("the H2O state has %u layers, this cache %zu", n_layer, hs.scores.size()));
+        }
+
+        for (uint32_t i = 0; i < n_layer; ++i) {
+            ggml_tensor * scores  = hs.scores[i];
+            ggml_tensor * mem_idx = hs.memory_indices[i];
+            ggml_tensor * acc     = hs.accumulators[i];
+
+            const uint32_t n_head = read_u32();
+            if (n_head != scores->ne[1]) {
+                throw std::runtime_error(format("the H2O state of layer %u has %u heads, this cache %d", i, n_head, (int) scores->ne[1]));
+            }
+
+            for (uint32_t ih = 0; ih < n_head; ++ih) {
+                io.read_tensor(scores, ih*scores->nb[1], n_pos*ggml_element_size(scores));
+            }
+
+            io.read_tensor(mem_idx, 0, ggml_nbytes(mem_idx));
+            io.read_tensor(acc,     0, ggml_nbytes(acc));
+        }
+
+        hs.chunk = std::move(st);
+        hs.memory_initialized = mem_init != 0;
+
+        // emptying the sequence before its cells were read put its selection back to the cache's; the state's is the
+        // one its scores follow
+        hs.select       = sel.select;
+        hs.n_sink       = sel.n_sink;
+        hs.n_dense_tail = sel.n_dense_tail;
+
+        // the undo log starts at the loaded state, when it is at a chunk boundary
+        hs.undo = {};
+        hs.undo.valid = false;
+        if (h2o_undo_on && h2o_at_chunk_boundary(s)) {
+            h2o_undo_record(s);
+        }
+    }
+}
+
+ggml_tensor * llama_kv_cache::h2o_get_scores(int32_t il, uint32_t s) const {
+    GGML_ASSERT(h2o_enabled() && s < h2o_strm.size());
+
+    return h2o_strm[s].scores[map_layer_ids.at(il)];
+}
+
+ggml_tensor * llama_kv_cache::h2o_get_memory_indices(int32_t il, uint32_t s) const {
+    GGML_ASSERT(h2o_enabled() && s < h2o_strm.size());
+
+    return h2o_strm[s].memory_indices[map_layer_ids.at(il)];
+}
+
+void llama_kv_cache::h2o_init_chunk_scores(int32_t il, uint32_t chunk_start, uint32_t chunk_len, const float * colsum, uint32_t s) {
+    ggml_tensor * scores = h2o_get_scores(il, s);
+
+    const uint32_t kv_size = scores->ne[0];
+    const uint32_t n_head  = scores->ne[1];
+
+    GGML_ASSERT(chunk_start <= kv_size && chunk_len <= kv_size - chunk_start);
+
+    llama_h2o_host_view view(scores);
+
+    for (uint32_t ih = 0; ih < n_head; ++ih) {
+        ggml_bf16_t * row = (ggml_bf16_t *) (view.data + ih*scores->nb[1]);
+
+        for (uint32_t i = 0; i < chunk_len; ++i) {
+            row[chunk_start + i] = h2o_f32_to_bf16(colsum[(size_t) ih*chunk_len + i]);
+        }
+    }
+
+    view.commit();
+}
+
+void llama_kv_cache::h2o_accumulate_memory_scores(int32_t il, const float * colsum, uint32_t s) {
+    ggml_tensor * scores  = h2o_get_scores(il, s);
+    ggml_tensor * mem_idx = h2o_get_memory_indices(il, s);
+
+    if (!h2o_strm[s].memory_initialized) {
+        return; // chunk 0 has no memory to credit
+    }
+
+    const int32_t  kv_size = scores->ne[0];
+    const uint32_t n_head  = scores->ne[1];
+    const uint32_t M       = h2o_memory_size;
+
+    llama_h2o_host_view view_scores(scores);
+    llama_h2o_host_view view_idx(mem_idx);
+
+    for (uint32_t ih = 0; ih < n_head; ++ih) {
+        ggml_bf16_t   * row = (ggml_bf16_t   *) (view_scores.data + ih*scores->nb[1]);
+        const int32_t * idx = (const int32_t *) (view_idx.data    + ih*mem_idx->nb[1]);
+
+        for (uint32_t m = 0; m < M; ++m) {
+            const int32_t pos = idx[m];
+
+            assert(pos < kv_size);
+            if (pos < 0 || pos >= kv_size) {
+                continue; // empty slot
+            }
+
+            row[pos] = h2o_f32_to_bf16(h2o_bf16_to_f32(row[pos]) + colsum[(size_t) ih*M + m]);
+        }
+    }
+
+    view_scores.commit();
+}
+
+void llama_kv_cache::h2o_build_memory_set(int32_t il, uint32_t chunk_end, uint32_t s) {
+    ggml_tensor * scores  = h2o_get_scores(il, s);
+    ggml_tensor * mem_idx = h2o_get_memory_indices(il, s);
+
+    auto & hs = h2o_strm[s];
+
+    const uint32_t kv_size = scores->ne[0];
+    const uint32_t n_head  = scores->ne[1];
+
+    GGML_ASSERT(chunk_end <= kv_size);
+
+    // chunk c = [chunk_boundaries.back(), chunk_end)
+    const uint32_t chunk_start = std::min(hs.chunk.chunk_boundaries.back(), chunk_end);
+
+    llama_h2o_host_view view_scores(scores);
+    llama_h2o_host_view view_idx(mem_idx);
+
+    for (uint32_t ih = 0; ih < n_head; ++ih) {
+        ggml_h2o_build_memory_set(
+                (const ggml_bf16_t *) (view_scores.data + ih*scores->nb[1]),
+                (int32_t *)           (view_idx.data    + ih*mem_idx->nb[1]),
+                h2o_local_window, h2o_heavy_budget, hs.n_sink, chunk_start, chunk_end, hs.memory_initialized);
+    }
+
+    view_idx.commit();
+
+    hs.memory_initialized = true;
+}
+
+ggml_tensor * llama_kv_cache::h2o_gather_rows(ggml_context * ctx, ggml_tensor * kv, uint32_t n_embd_head, int32_t il, const char * name, uint32_t s) const {
+    GGML_ASSERT(kv != nullptr && kv->ne[2] == 1);
+
+    ggml_tensor * mem_idx = h2o_get_memory_indices(il, s);
+
+    const int64_t n_head    = hparams.n_head(il);
+    const int64_t n_head_kv = hparams.n_head_kv(il);
+    const int64_t n_gqa     = n_head/n_head_kv;
+    const int64_t kv_size   = kv->ne[1];
+    const int64_t M         = h2o_memory_size;
+
+    GGML_ASSERT(n_head % n_head_kv == 0);
+    GGML_ASSERT(kv->ne[0] == (int64_t) n_embd_head*n_head_kv);
+
+    // K/V as [n_embd_head, kv_size, n_head_kv]; query head ih = ih_kv*n_gqa + g reads KV head ih_kv, so the
+    // index rows of a group's n_gqa query heads, back to back, are one gather from that KV head
+    ggml_tensor * src = ggml_view_3d(ctx, kv, n_embd_head, kv_size, n_head_kv,
+            kv->nb[1], ggml_row_size(kv->type, n_embd_head), 0);
+
+    ggml_tensor * idx = ggml_reshape_2d(ctx, mem_idx, M*n_gqa, n_head_kv);
+
+    ggml_tensor * rows = ggml_get_rows(ctx, src, idx); // [n_embd_head, M*n_gqa, n_head_kv]
+    rows = ggml_reshape_3d(ctx, rows, n_embd_head, M, n_head);
+    ggml_set_name(rows, name);
+
+    return rows;
+}
+
+ggml_tensor * llama_kv_cache::h2o_gather_k_memory(ggml_context * ctx, int32_t il, uint32_t s) const {
+    const auto & layer = layers[map_layer_ids.at(il)];
+
+    return h2o_gather_rows(ctx, layer.k_stream[s], hparams.n_embd_head_k(il), il, "h2o_k_mem", s);
+}
+
+ggml_tensor * llama_kv_cache::h2o_gather_v_memory(ggml_context * ctx, int32_t il, uint32_t s) const {
+    const auto & layer = layers[map_layer_ids.at(il)];
+
+    return h2o_gather_rows(ctx, layer.v_stream[s], hparams.n_embd_head_v(il), il, "h2o_v_mem", s);
+}
+
+void llama_kv_cache::h2o_next_chunk(uint32_t chunk_len, uint32_t s) {
+    GGML_ASSERT(h2o_enabled() && s < h2o_strm.size());
+
+    auto & hs = h2o_strm[s];
+
+    hs.chunk.total_tokens_processed += chunk_len;
+    hs.chunk.current_chunk_idx++;
+    hs.chunk.chunk_boundaries.push_back(hs.chunk.total_tokens_processed);
+
+    if (debug >= 1) {
+        LLAMA_LOG_DEBUG("%s: H2O chunk %u complete, %u tokens\n", __func__,
+                hs.chunk.current_chunk_idx - 1, hs.chunk.total_tokens_processed);
+    }
+}
+
+void llama_kv_cache::h2o_set_select(llama_h2o_select select, uint32_t n_sink, uint32_t n_dense_tail) {
+    GGML_ASSERT(h2o_enabled() && n_sink <= h2o_heavy_budget);
+
+    h2o_select_rule     = select;
+    h2o_sink_size       = n_sink;
+    h2o_dense_tail_size = n_dense_tail;
+
+    for (uint32_t s = 0; s < h2o_strm.size(); ++s) {
+        auto & hs = h2o_strm[s];
+        hs.select       = select;
+        hs.n_sink       = n_sink;
+        hs.n_dense_tail = n_dense_tail;
+        h2o_decode_write_own(s);
+    }
+}
+
+void llama_kv_cache::h2o_set_select_seq(llama_seq_id seq_id, llama_h2o_select select, uint32_t n_sink, uint32_t n_dense_tail) {
+    GGML_ASSERT(h2o_enabled() && n_sink <= h2o_heavy_budget);
+
+    const uint32_t s = h2o_stream(seq_id);
+    auto & hs = h2o_strm[s];
+
+    hs.select       = select;
+    hs.n_sink       = n_sink;
+    hs.n_dense_tail = n_dense_tail;
+
+    h2o_decode_write_own(s);
+}
+
+ggml_tensor * llama_kv_cache::h2o_build_attn(
+        ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, int32_t il, float kq_scale, llama_pos p0,
+        llama_pos tail_start, uint32_t s) const {
+    const int32_t ikv = map_layer_ids.at(il);
+
+    const auto & hs = h2o_strm[s];
+
+    // views of the cache as [n_embd_head, n_head_kv, n_kv]
+    k = ggml_view_3d(ctx, k, k->ne[0], k->ne[1], k->ne[2], k->nb[1], k->nb[2], 0);
+    v = ggml_view_3d(ctx, v, v->ne[0], v->ne[1], v->ne[2], v->nb[1], v->nb[2], 0);
+
+    ggml_tensor * cur = ggml_h2o_attn(ctx, q, k, v, hs.scores[ikv], hs.memory_indices[ikv], hs.accumulators[ikv],
+            p0, h2o_chunk_size, h2o_local_window, h2o_heavy_budget, hs.chunk.mem_chunk, hs.chunk.acc_chunk, kq_scale);
+    ggml_h2o_attn_set_select(cur, (ggml_h2o_select) hs.select, hs.n_sink, tail_start);
+    ggml_h2o_attn_set_coverage(cur, h2o_coverage_target, h2o_tile_samples);
+    ggml_h2o_attn_set_coverage_sketch(cur, h2o_tile_sketch);
+
+    return cur;
+}
+
+void llama_kv_cache::h2o_prefill_done(llama_pos p0, uint32_t n_tokens, llama_pos tail_start, uint32_t s) {
+    GGML_ASSERT(h2o_enabled() && n_tokens > 0 && s < h2o_strm.size());
+
+    auto & hs = h2o_strm[s];
+
+    // the same walk as ggml_h2o_attn, on the bookkeeping only
+    const int32_t S  = h2o_chunk_size;
+    const int32_t p1 = p0 + (int32_t) n_tokens;
+
+    auto & st = hs.chunk;
+
+    st.prompt_end = std::max<uint32_t>(st.prompt_end, p1);
+
+    const auto complete = [&](int32_t c) {
+        st.mem_chunk = c;
+        while ((int32_t) st.current_chunk_idx <= c) {
+            h2o_next_chunk(S, s);
+        }
+    };
+
+    for (int32_t c = p0/S; c <= (p1 - 1)/S; ++c) {
+        while (st.mem_chunk < c - 1) {
+            if (st.acc_chunk == st.mem_chunk + 1) {
+                st.acc_chunk = -1;
+            }
+            complete(st.mem_chunk + 1);
+        }
+        // the op gives chunk c its memory set M_{c-1}; rows from tail_start on attend to everything instead
+        const bool sparse = c >= 1 && st.mem_chunk == c - 1 && std::max(p0, c*S) < tail_start;
+        if (sparse && c > st.last_sparse_chunk) {
+            st.n_sparse_chunks++;
+            st.last_sparse_chunk = c;
+        }
+        st.acc_chunk = c;
+        if (p1 >= (c + 1)*S) {
+            st.acc_chunk = -1;
+            complete(c);
+        }
+    }
+
+    if (tail_start < p1) {
+        st.n_tail_tokens += p1 - std::max(p0, tail_start);
+    }
+
+    hs.memory_initialized = st.mem_chunk >= 0;
+}
+
+void llama_kv_cache::h2o_read_scores(int32_t il, uint32_t ih, uint32_t pos0, uint32_t n, float * dst, uint32_t s) const {
+    ggml_tensor * scores = h2o_get_scores(il, s);
+
+    GGML_ASSERT(ih < scores->ne[1]);
+    GGML_ASSERT(pos0 <= scores->ne[0] && n <= scores->ne[0] - pos0);
+
+    std::vector<ggml_bf16_t> tmp(n);
+    ggml_backend_tensor_get(scores, tmp.data(), ih*scores->nb[1] + pos0*sizeof(ggml_bf16_t), n*sizeof(ggml_bf16_t));
+
+    for (uint32_t i = 0; i < n; ++i) {
+        dst[i] = h2o_bf16_to_f32(tmp[i]);
+    }
+}
+
+void llama_kv_cache::h2o_read_memory_indices(int32_t il, uint32_t ih, int32_t * dst, uint32_t s) const {
+    ggml_tensor * mem_idx = h2o_get_memory_indices(il, s);
+
+    GGML_ASSERT(ih < mem_idx->ne[1]);
+
+    ggml_backend_tensor_get(mem_idx, dst, ih*mem_idx->nb[1], h2o_memory_size*sizeof(int32_t));
+}
+
+llama_kv_cache * llama_h2o_kv(llama_memory_i * mem) {
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        return iswa->get_base();
+    }
+    return dynamic_cast<llama_kv_cache *>(mem);
+}
