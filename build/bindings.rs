@@ -22,7 +22,7 @@ const BINDING_HEADERS: &[&str] = &[
     "ggml/include/ggml-alloc.h",
 ];
 
-/// The C entry points of common/'s JSON schema converter (patch 0022) and chat templates (0024).
+/// The C entry points of common/'s JSON schema converter and chat templates (engine/common/*-c.h).
 const PATCHED_HEADERS: &[&str] = &["common/json-schema-to-grammar-c.h", "common/chat-c.h"];
 
 fn headers(stock: bool) -> Vec<&'static str> {

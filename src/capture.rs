@@ -51,7 +51,7 @@ pub struct AttentionCapture {
 }
 
 /// The H2O sparse decode op of one layer in one decode step of one sequence, as the engine ran
-/// it (patch 0025): the query, the cache up to it, and the output.
+/// it (`ggml_h2o_decode`): the query, the cache up to it, and the output.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodeCapture {
     /// Model layer (from the op's graph name `h2o_decode-<layer>`).

@@ -1,4 +1,4 @@
-//! Jinja chat templates with tool calls, through common/'s chat library (patch 0024's C entry
+//! Jinja chat templates with tool calls, through common/'s chat library (the C entry
 //! points), as llama-server renders `/v1/chat/completions` with `--jinja`.
 //!
 //! [`ChatTemplates::apply`] renders an OpenAI chat request (messages, `tools`, `tool_choice`, …)

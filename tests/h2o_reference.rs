@@ -1,4 +1,4 @@
-//! Model-level proof of the sparse prefill (issue 4, item 5): a real H2O prefill on the default
+//! Model-level proof of the sparse prefill: a real H2O prefill on the default
 //! model, every layer's attention op captured through llama.cpp's eval callback, recomputed by
 //! the f64 reference from the captured inputs, and compared. The same proof runs on Gemma 3
 //! 270M's global layers (5, 11, 17; its sliding-window layers keep llama.cpp's own attention):
@@ -463,7 +463,7 @@ fn seed_rule_matches_the_reference(
         aligned.final_sets == one_call.final_sets,
         "one call vs aligned calls: final memory sets"
     );
-    // a llama_decode call runs one graph per ubatch of at most S tokens (patch 0011), and the
+    // a llama_decode call runs one graph per ubatch of at most S tokens, and the
     // chunks inside the op follow positions, not ubatches
     let ubatch_sizes = |r: &Run| -> Vec<usize> {
         r.captures
@@ -796,7 +796,7 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
 /// chunk, so the reference chooses every memory from the captured Q and K of all heads of the
 /// layer; every output row must match, and after the call each head holds the memory the last
 /// tile would have at the average budget. Samples from exact logits, and from a sketch of a
-/// quarter or an eighth of the key channels (patch 0026).
+/// quarter or an eighth of the key channels (`h2o_tile_sketch`).
 #[test]
 fn coverage_selection_matches_the_reference_in_every_layer() {
     check_coverage_selection(common::model(), 1.0, 4, 1);

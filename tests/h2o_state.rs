@@ -1,6 +1,6 @@
 //! H2O through the safe API on the default model: a session created with an `H2oConfig` holds
 //! validated, allocated state that can be inspected; bad parameters and bad introspection requests
-//! are typed errors; a prompt within one chunk matches full attention (SPEC item 8); a multi-chunk
+//! are typed errors; a prompt within one chunk matches full attention (seed rule item 8); a multi-chunk
 //! prefill gives the same logits and memory sets however the prompt is split into calls (item 11);
 //! and reset restores a clean state (item 9).
 #![cfg(not(feature = "stock"))]
@@ -152,7 +152,7 @@ fn all_memory_sets(s: &Session<'_>) -> Vec<Vec<i32>> {
 
 #[test]
 fn prompt_within_one_chunk_matches_full_attention() {
-    // SPEC item 8: N <= S sees stock's key set, so its logits equal full attention's up to float
+    // seed rule item 8: N <= S sees stock's key set, so its logits equal full attention's up to float
     // rounding. "Float rounding" is measured, not guessed: on this small Q4_1 model llama.cpp's own
     // two attention kernels (flash attention, which rounds Q and accumulates V in F16, and the
     // F32 path) already disagree by ~0.5-1 logit; H2O must stay within that spread.
@@ -199,7 +199,7 @@ fn prompt_within_one_chunk_matches_full_attention() {
 
 #[test]
 fn multi_chunk_prefill_is_independent_of_the_split() {
-    // SPEC item 11: chunks follow positions, so one call, chunk-aligned calls and misaligned calls
+    // seed rule item 11: chunks follow positions, so one call, chunk-aligned calls and misaligned calls
     // give the same logits (up to float rounding) and the same memory sets
     let m = common::model();
     let tokens = m
@@ -250,7 +250,7 @@ fn multi_chunk_prefill_is_independent_of_the_split() {
 
 #[test]
 fn h2o_state_is_reset_between_prompts() {
-    // SPEC item 9: after reset, the same prompt gives the same logits and memory sets
+    // seed rule item 9: after reset, the same prompt gives the same logits and memory sets
     let m = common::model();
     let tokens = m
         .tokenize(&h2o_llama::demo::prompt(25), true, true)
@@ -364,7 +364,7 @@ fn assert_same_session(s: &Session<'_>, fresh: &Session<'_>, what: &str) {
 /// session gives that evaluated the same kept tokens. Cutting decoded tokens is free (they never
 /// entered the H2O state; llama.cpp accepts the cut, and the session is the one that decoded
 /// fewer). A cut into prompt positions keeps the complete chunks below it: llama.cpp puts the H2O
-/// state back at a chunk boundary (patch 0014) and only the tokens from there are evaluated
+/// state back at a chunk boundary (the undo log) and only the tokens from there are evaluated
 /// again (with `h2o_undo_log`; without it, all kept tokens are). The boundary lies below where a
 /// fresh prefill's dense tail starts (a dense tail scores nothing, so the chunk it falls in must
 /// be evaluated again): at a chunk boundary, mid-chunk, inside the last complete chunk's local

@@ -1,5 +1,5 @@
 //! The C++ test programs, built by build/cpu.rs against the patched tree's internal headers: the
-//! H2O state in `llama_kv_cache` (seed 001's 11 metrics, the GQA gathers, reset, and the C API's
+//! H2O state in `llama_kv_cache` (the state's 11 checks, the GQA gathers, reset, and the C API's
 //! validation and introspection) on the default model, the H2O attention op on GPU backends
 //! against the CPU, and the whole H2O prefill with the layers offloaded against the CPU.
 // The stock engine has no H2O, and the CUDA (cmake) build does not make the C++ test programs.

@@ -1,4 +1,4 @@
-//! Several sequences on one context (`ParallelSession`, patch 0015), on the default model: each
+//! Several sequences on one context (`ParallelSession`), on the default model: each
 //! sequence generates, greedily, exactly what a `Session` holding it alone generates, with its
 //! prompt calls interleaved with the other sequences' and its decode steps batched with theirs;
 //! a next prompt reuses what a fresh prefill would reach unchanged; a sequence can run its own

@@ -1,4 +1,4 @@
-//! Saved sessions (issue 18, item 1; patch 0010): a state saved after prompt A and loaded into a
+//! Saved sessions (with their H2O state): a state saved after prompt A and loaded into a
 //! fresh session continues with B exactly as a session that ran A then B — logits, generated
 //! tokens and the whole H2O state, for the seed rule and the default policy, from a file and from
 //! bytes — and every state that does not fit is refused with a message naming the problem, leaving

@@ -1,4 +1,4 @@
-//! Sparse decode (patch 0025, `H2oConfig::decode_budget`) on the default model: with a budget
+//! Sparse decode (`H2oConfig::decode_budget`) on the default model: with a budget
 //! that covers the whole context, a decode step is full attention; with a small one, each step
 //! reads its sinks, its recent window and the positions its query points at, and its next-token
 //! distribution stays close to full attention's on the same cache; sequences decoding together

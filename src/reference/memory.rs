@@ -1,4 +1,4 @@
-//! The seed rule's memory sets (SPEC item 5): how `M_c` is built from the scores after chunk `c`.
+//! The seed rule's memory sets (seed rule item 5): how `M_c` is built from the scores after chunk `c`.
 
 use std::ops::Range;
 
@@ -17,7 +17,7 @@ impl MemorySet {
     }
 }
 
-/// Builds `M_c` after a chunk ending at `chunk_end` (SPEC item 5): `Local = [max(end − L, 0), end)`;
+/// Builds `M_c` after a chunk ending at `chunk_end` (seed rule item 5): `Local = [max(end − L, 0), end)`;
 /// `Sink = [0, sink)` minus Local; candidates = (previous memory ∪ this chunk) \ (Local ∪ Sink);
 /// `Heavy` = the `H − |Sink|` candidates with the highest score, ties to the lower position;
 /// result sorted, padded with −1 to `M` slots.

@@ -1,5 +1,5 @@
-//! Plain reference implementation of H2O chunked sparse attention (SPEC.md items 1–7), in
-//! f64, written for readability: the engine's results are checked against it.
+//! Plain reference implementation of H2O chunked sparse attention (the seed rule's items 1–7,
+//! docs/seed-rule.md), in f64, written for readability: the engine's results are checked against it.
 //!
 //! One attention head at a time; [`h2o_attention`] maps query heads to KV heads (GQA).
 //! For chunk `c` (positions `[cS, min((c+1)S, N))`), query `i` attends to the causal keys of its
@@ -58,7 +58,7 @@ impl H2oParams {
     }
 }
 
-/// Chunk `c` holds positions `[cS, min((c+1)S, n))` (SPEC item 1).
+/// Chunk `c` holds positions `[cS, min((c+1)S, n))` (seed rule item 1).
 #[must_use]
 pub fn chunk_bounds(n_tokens: usize, chunk: usize) -> Vec<Range<usize>> {
     assert!(chunk > 0, "chunk size must be positive");
@@ -82,7 +82,7 @@ pub struct HeadResult {
     pub key_sets: Vec<Vec<usize>>,
 }
 
-/// H2O attention of one query head against its KV head (SPEC items 1–6).
+/// H2O attention of one query head against its KV head (seed rule items 1–6).
 /// `q`, `k`: `N × d`; `v`: `N × dv`; `logits`: the logit scale (1/√d usually), or [`Logits`]
 /// with a soft-cap.
 #[must_use]
@@ -178,7 +178,7 @@ pub fn h2o_attention_head_given_memory(
 }
 /// One query of a chunk: attends to its chunk's causal keys `intra` (from the chunk's start up to
 /// the query itself) and to `memory` (inter), adds both attentions' column sums to `scores`, each softmax
-/// normalised over its own key set (SPEC item 4), and merges the two exactly. Returns the output
+/// normalised over its own key set (seed rule item 4), and merges the two exactly. Returns the output
 /// row and the keys it attended to.
 pub(super) fn attend_chunk_and_memory(
     q: &[f64],

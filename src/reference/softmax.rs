@@ -1,5 +1,5 @@
 //! Softmax attention over explicit key sets, and the exact merge of two partial softmaxes
-//! (seed 002, Alg. 1): the arithmetic every part of the reference shares.
+//! (the online-softmax merge): the arithmetic every part of the reference shares.
 
 /// Unnormalised softmax state of one query row over some keys: running max `m`, sum of
 /// `exp(logit − m)` `l`, and `o = Σ exp(logit − m) · v`.
@@ -28,7 +28,7 @@ impl PartialSoftmax {
     }
 }
 
-/// Exact merge of two partial softmaxes over disjoint key sets (seed 002, Alg. 1).
+/// Exact merge of two partial softmaxes over disjoint key sets (the online-softmax merge).
 #[must_use]
 pub fn merge_partial_softmax(a: &PartialSoftmax, b: &PartialSoftmax) -> PartialSoftmax {
     if a.l == 0.0 {

@@ -1,4 +1,5 @@
-//! Unit tests of the reference against dense attention and the SPEC definitions.
+//! Unit tests of the reference against dense attention and the seed rule's definitions
+//! (docs/seed-rule.md).
 
 use super::*;
 
@@ -42,7 +43,7 @@ fn run(n: usize, params: H2oParams, seed: u64) -> (Matrix, Matrix, Matrix, HeadR
     (q, k, v, r)
 }
 
-/// The key sets written out from the SPEC, independently of the implementation.
+/// The key sets written out from the seed rule, independently of the implementation.
 fn expected_key_sets(n: usize, s: usize, memory_sets: &[MemorySet]) -> Vec<Vec<usize>> {
     (0..n)
         .map(|i| {
@@ -156,7 +157,7 @@ fn merge_is_exact() {
 
 #[test]
 fn single_chunk_is_plain_causal_attention() {
-    // N = S and N < S: one chunk, no memory, exactly stock's key set (SPEC item 8).
+    // N = S and N < S: one chunk, no memory, exactly stock's key set (seed rule item 8).
     for n in [16, 11] {
         let r = assert_matches_dense(
             n,

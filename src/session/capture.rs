@@ -17,7 +17,7 @@ impl Session<'_> {
         sink.take().map_err(Error::Capture)
     }
 
-    /// The H2O sparse decode ops run since the last call (patch 0025), one [`DecodeCapture`] per
+    /// The H2O sparse decode ops run since the last call, one [`DecodeCapture`] per
     /// layer and decode step, in the order they ran.
     ///
     /// # Errors

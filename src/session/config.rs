@@ -118,13 +118,13 @@ pub struct H2oConfig {
     /// to the first block of 16 positions (more with `sink`), its last `local` positions, and up
     /// to this many positions between them, those its query heads' logits estimated from a key
     /// sketch (the quarter of each KV head's channels with the most key energy) rank highest
-    /// (patch 0025). 0: decode reads the whole cache, as llama.cpp does. The KV cache is kept
+    /// (`ggml_h2o_decode`). 0: decode reads the whole cache, as llama.cpp does. The KV cache is kept
     /// whole either way, so any step could attend to everything.
     pub decode_budget: u32,
     /// Sparse decode: of its `decode_budget` positions, a step takes only the fewest whose
     /// estimated attention holds this share of that of every position between the sinks and
     /// the window (`--h2o-decode-coverage`), in (0, 1]; 1 takes the whole budget. The budget
-    /// becomes a cap, and a step whose query points at few positions reads few (patch 0035).
+    /// becomes a cap, and a step whose query points at few positions reads few.
     /// The same for every sequence of a context.
     pub decode_coverage: f32,
 }
@@ -147,7 +147,7 @@ impl Default for H2oConfig {
 }
 
 impl H2oConfig {
-    /// The seed's rule, as SPEC.md defines it: heavy hitters by accumulated attention, no sink,
+    /// The seed's rule, as docs/seed-rule.md defines it: heavy hitters by accumulated attention, no sink,
     /// no dense tail.
     #[must_use]
     pub fn seed(local: u32, heavy: u32) -> Self {
@@ -450,7 +450,7 @@ pub struct SessionConfig {
     pub cache_type_v: CacheType,
     /// H2O sparse prefill; `None` (or L = H = 0) is stock attention.
     pub h2o: Option<H2oConfig>,
-    /// With H2O: keep llama.cpp's undo log (`h2o_undo_log`, patch 0014), so that
+    /// With H2O: keep llama.cpp's undo log (`h2o_undo_log`), so that
     /// [`Session::truncate`](crate::Session::truncate) into the prompt keeps the complete chunks
     /// below the cut and evaluates only the rest again, instead of all kept tokens. Costs host
     /// memory: about one copy of the H2O scores, plus M scores per head, layer and chunk. Off by

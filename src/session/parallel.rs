@@ -1,5 +1,5 @@
 //! Several sequences on one context, as a server's slots: each sequence has its own KV stream
-//! and, with H2O, its own H2O state (patch 0015), its prompt evaluated in calls the caller
+//! and, with H2O, its own H2O state, its prompt evaluated in calls the caller
 //! interleaves with decode steps of all sequences in one `llama_decode` (continuous batching).
 //!
 //! A sequence's results are those of a [`Session`](super::Session) holding it alone, bit for bit:

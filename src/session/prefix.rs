@@ -1,7 +1,7 @@
 //! Cutting the session back to a prefix of its tokens, and evaluating a prompt that starts with
 //! part of what the session holds: what llama-cli and llama-server do to reuse a cached prompt
 //! (regenerate, the next turn of a chat), kept exactly equal to a fresh session's result under
-//! H2O (patches 0012 and 0014).
+//! H2O (the KV cache's cut at `prompt_end` and its undo log).
 
 use super::{H2oConfig, Session, SessionConfig};
 use crate::backend;
@@ -19,7 +19,7 @@ impl Session<'_> {
     ///   state), and the session is the one that decoded fewer;
     /// - otherwise the session becomes exactly what a fresh session gives that evaluates the kept
     ///   tokens. With [`SessionConfig::h2o_undo_log`], llama.cpp puts the H2O state back at a
-    ///   chunk boundary below `n` (patch 0014) and the tokens from there are evaluated again, in
+    ///   chunk boundary below `n` (the undo log) and the tokens from there are evaluated again, in
     ///   the calls a fresh session makes. The boundary is the last one before where a fresh
     ///   prefill's dense tail would start, and before any dense tail or decoded token in the
     ///   session's own history (which a fresh prefill does not have). Without the undo log, or

@@ -1,5 +1,5 @@
 //! Saving and loading a session: its tokens, its KV cache and, with H2O, the scores, memory sets,
-//! chunk sums and chunk bookkeeping that go with them (patch 0010). The state is llama.cpp's
+//! chunk sums and chunk bookkeeping that go with them. The state is llama.cpp's
 //! session file (what `llama_state_save_file` writes; [`Session::state_bytes`] in memory),
 //! saved behind a checked header and atomically (`state_file`): a file is the old state or the
 //! new one after any crash, and a damaged or cut file is refused before it reaches llama.cpp.

@@ -295,8 +295,8 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
 // two candidates, or give a budget step, the other way. Five comparisons (tests/kv_cache_cpp.rs counts them) that
 // cover both ways a chunk's candidates are proposed (S = 128, 4 H = 128: chunk 1 proposes all of them, chunks 2 and 3
 // choose by the sampled queries), 4, 16 and 32 samples per tile and a tile whose rows hold no sampled one (one sample
-// per tile, a call ending 50 rows into chunk 1), samples whose logits read a quarter of the key channels (patch
-// 0026), a coverage target below 1, sinks, a dense tail, and a call that continues a chunk inside a tile.
+// per tile, a call ending 50 rows into chunk 1), samples whose logits read a quarter of the key channels
+// (h2o_tile_sketch), a coverage target below 1, sinks, a dense tail, and a call that continues a chunk inside a tile.
 void run_coverage_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh,
         const std::vector<float> & q, const std::vector<ggml_fp16_t> & kv_k, const std::vector<ggml_fp16_t> & kv_v, float max_v, bool exact) {
     const int32_t S = sh.S;
@@ -357,7 +357,7 @@ void run_wide_head_coverage_case(ggml_backend_t cpu, ggml_backend_t other, const
             run_call(other, got_st, sh, in.q, 0, n, -1, -1, cov, 4, 3*sh.S + 16, 1.0f, 64, {}, 2), sh, in.max_v, exact);
 }
 
-// The model-specific attention arithmetic (patch 0020) and cache types (patch 0021): a soft-cap that binds (logits
+// The model-specific attention arithmetic and cache types: a soft-cap that binds (logits
 // here are about N(0, 1), the cap 1), learned sinks of every head (gpt-oss), and K/V caches of BF16 and quantized types,
 // under the seed rule, the hybrid and coverage selection, one call each. Six comparisons.
 void run_logit_and_cache_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh,
@@ -418,7 +418,7 @@ void check_coverage_refusal(ggml_backend_t gpu, const char * name) {
     ggml_free(ctx);
 }
 
-// GGML_OP_H2O_DECODE (patch 0025; the CUDA kernels, patch 0028): decode steps against the CPU on one backend state
+// GGML_OP_H2O_DECODE (and its CUDA kernels): decode steps against the CPU on one backend state
 // and one reference state, each carried from call to call as llama's KV cache carries it. The sketch state (each
 // block's 8-bit sketch, each KV head's channels and the count of blocks sketched) must be bit-identical: the CUDA
 // kernels sum the channel energies and form the estimates in the CPU's order, so they choose the same channels and the
@@ -571,10 +571,10 @@ bool compare_decode(const char * what, const char * name, const decode_result & 
 
 // Ten decode comparisons (tests/kv_cache_cpp.rs counts them): three steps on one state (the first after a prompt,
 // which chooses the channels and sketches it; two tokens at once; a step that sketches four more blocks), two streams
-// with a soft-cap and learned sinks under an F16 mask, three streams with sinks and budgets of their own (patch 0030: a
+// with a soft-cap and learned sinks under an F16 mask, three streams with sinks and budgets of their own (a
 // budget of 0, the op's, one that covers the stream), q8_0 K/V with closed cells among the candidates, BF16 K with q4_0
 // V and two sink blocks, a budget that covers the context (full attention), two streams whose choice follows coverage
-// (patch 0035: fewer positions than the budget, a count each), and a budget that covers 6,000 positions.
+// (fewer positions than the budget, a count each), and a budget that covers 6,000 positions.
 void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, const shape & sh, float max_v, bool exact) {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -659,7 +659,7 @@ void run_decode_cases(ggml_backend_t cpu, ggml_backend_t other, const char * nam
         ++seed;
     }
 
-    // a long context whose budget covers it: the CUDA attention (patch 0032) then cuts the list into parts of several
+    // a long context whose budget covers it: the CUDA attention then cuts the list into parts of several
     // chunks, and the closed cells close whole chunks between open ones
     {
         shape lsh = sh;

@@ -1,4 +1,4 @@
-// Tests and benchmarks of the H2O state in llama_kv_cache (seed 001, Task 1), against the internal headers of
+// Tests and benchmarks of the H2O state in llama_kv_cache, against the internal headers of
 // the patched llama.cpp tree and the real model's shapes.
 //
 //   test-h2o-kv-cache MODEL.gguf            run the tests; exit status 0 when all pass
@@ -55,7 +55,7 @@ static void capture_log(ggml_log_level level, const char * text, void * /*user_d
     }
 }
 
-// BF16 keeps 8 significant bits: stored scores agree with F32 arithmetic to a relative 2^-8 (SPEC item 4)
+// BF16 keeps 8 significant bits: stored scores agree with F32 arithmetic to a relative 2^-8 (seed rule item 4)
 static bool bf16_close(float stored, float expected) {
     return std::fabs(stored - expected) <= std::ldexp(1.0f, -8) * std::fabs(expected);
 }
@@ -127,7 +127,7 @@ static std::vector<float> colsums(uint32_t n_head, uint32_t n, const std::functi
     return res;
 }
 
-// the memory set SPEC item 5 asks for, written out plainly: Local = [end - L, end), candidates =
+// the memory set seed rule item 5 asks for, written out plainly: Local = [end - L, end), candidates =
 // (previous memory + [start, end)) \ Local, Heavy = the H best by (score desc, position asc), all sorted
 static std::vector<int32_t> expected_memory(
         const std::function<float(int32_t)> & score, const std::vector<int32_t> & prev,
@@ -690,7 +690,7 @@ static void test_reset(const llama_model & model) {
     CHECK(!kv->get_can_shift(), "an H2O cache must not claim K-shift support");
 }
 
-// the C API: validation (SPEC items 7 and 10) and introspection through a real context
+// the C API: validation (seed rule items 7 and 10) and introspection through a real context
 static void test_context_api(llama_model * model) {
     const auto try_ctx = [&](int32_t n_ubatch, int32_t L_, int32_t H_, uint32_t n_seq_max) {
         llama_context_params cp = llama_context_default_params();
@@ -803,7 +803,7 @@ static void test_context_api(llama_model * model) {
     CHECK(llama_memory_seq_pos_max(mem, 0) == 299, "refused cut changed the cache");
     CHECK(!llama_memory_seq_rm(mem, 0, 100, 200), "removing a middle range accepted");
 
-    // a decoded token never enters the H2O state, so it can be cut (patch 0012)
+    // a decoded token never enters the H2O state, so it can be cut
     llama_token next = 42;
     llama_batch one = llama_batch_get_one(&next, 1);
     CHECK(llama_decode(ctx, one) == 0, "decode one token");
@@ -817,7 +817,7 @@ static void test_context_api(llama_model * model) {
     llama_free(ctx);
 }
 
-// the per-sequence state API (llama_state_seq_*) carries the H2O state (patch 0010): a sequence saved after
+// the per-sequence state API (llama_state_seq_*) carries the H2O state: a sequence saved after
 // prompt A and restored into a fresh context continues with B exactly as the saving context does; a context with
 // other H2O settings, or none, refuses it
 // a one-sequence H2O context with S = 128 (n_batch 512)
@@ -873,7 +873,7 @@ static std::vector<float> h2o_snapshot(llama_context * ctx, int32_t n_pos) {
     return out;
 }
 
-// a sequence cut back to a chunk boundary inside its prompt (patch 0014) holds the H2O state a prefill of the kept
+// a sequence cut back to a chunk boundary inside its prompt holds the H2O state a prefill of the kept
 // positions leaves, and continues as that prefill would; a cut between boundaries is refused and says where to cut
 static void test_cut_to_chunk_boundary(llama_model * model) {
     std::vector<llama_token> a(300);
@@ -982,7 +982,7 @@ static std::vector<float> last_logits(llama_context * ctx, int32_t i = -1) {
 }
 
 // a decode step right after a prompt whose last ubatch held one token has that ubatch's shape: it must run full
-// attention, not reuse the H2O prefill graph (patch 0016); the same step again, from a graph built for a decode,
+// attention, not reuse the H2O prefill graph; the same step again, from a graph built for a decode,
 // gives the same logits
 static void test_decode_after_one_token_ubatch(llama_model * model) {
     std::vector<llama_token> p(129); // 128 + 1 with n_ubatch = 128
@@ -1153,7 +1153,7 @@ static void test_multi_seq(llama_model * model) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// benchmarks (seed 001): figures, not asserts
+// benchmarks: figures, not asserts
 // ---------------------------------------------------------------------------------------------
 
 template <typename F>

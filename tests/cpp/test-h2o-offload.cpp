@@ -1,7 +1,7 @@
 // The H2O prefill end to end with the model's layers offloaded to a GPU, against the same prefill on the
 // CPU, through the public llama.h API only (so that it runs where there is a GPU but no Rust):
 //
-//   1. placement: context creation logs where the H2O attention ops run (patch 0007); with every layer
+//   1. placement: context creation logs where the H2O attention ops run; with every layer
 //      offloaded, all of them must run on the GPU, none on the CPU;
 //   2. the reference comparison: an H2O prefill over 3S + 40 tokens on the GPU against the CPU. The GPU
 //      computes in another order, so its BF16 scores differ by rounding, and a memory-set selection can
@@ -53,7 +53,7 @@ constexpr int32_t S = 128; // chunk (n_ubatch)
 constexpr int32_t L = 32;
 constexpr int32_t H = 32;
 
-// the context log's placement lines (patch 0007), kept; everything else is dropped
+// the context log's placement lines, kept; everything else is dropped
 std::vector<std::string> placement_lines;
 
 void capture_log(ggml_log_level level, const char * text, void * /*user_data*/) {
@@ -269,7 +269,7 @@ struct forced_result {
     size_t  n_rule_bad   = 0; // heavy sets that are not the top H of their placement's own scores
 };
 
-// Heavy = the n_heavy candidates with the highest score, ties to the lower position (SPEC item 5)
+// Heavy = the n_heavy candidates with the highest score, ties to the lower position (seed rule item 5)
 std::vector<int32_t> top_heavy(std::vector<int32_t> cand, const float * score, int32_t n_heavy) {
     std::sort(cand.begin(), cand.end(), [&](int32_t a, int32_t b) {
         return score[a] > score[b] || (score[a] == score[b] && a < b);

@@ -1,6 +1,6 @@
 //! Saving and restoring one sequence of a [`ParallelSession`] (llama-server's slot save and
 //! restore): its tokens, KV cells and H2O state (llama.cpp's per-sequence state, which carries
-//! the sequence's scores, memory sets and chunk bookkeeping: patches 0010 and 0015), and the
+//! the sequence's scores, memory sets and chunk bookkeeping), and the
 //! session's own book of it (where its last prompt ended, how far its H2O state is a fresh
 //! prefill's), so that a restored sequence reuses its prefix by the same rules as before.
 //!

@@ -81,7 +81,7 @@ static void h2o_logits(float * x, const float * q_tile, int64_t rows, int64_t D,
 }
 
 // the weights of an output's parts (their row maxima m_a, m_b and sums l_a, l_b; l_b = 0: no second part) in one
-// softmax, with the learned sink's logit in its denominator (seed 002, Alg. 1)
+// softmax, with the learned sink's logit in its denominator (the online-softmax merge)
 static void h2o_merge_weights(float m_a, float l_a, float m_b, float l_b, float sink, float & w_a, float & w_b) {
     float mx = l_b > 0.0f ? std::max(m_a, m_b) : m_a;
     float ea = expf(m_a - mx);

@@ -1052,8 +1052,7 @@ void ggml_compute_forward_h2o_decode(const ggml_compute_params * params, ggml_te
     }
     ggml_barrier(params->threadpool);
 
-    // 6. per query head: its spans merged by online softmax, with the learned sink in the denominator (seed 002,
-    // Alg. 1)
+    // 6. per query head: its spans merged by online softmax, with the learned sink in the denominator
     for (int64_t w = params->ith; w < n_groups*n_gqa; w += params->nth) {
         const int64_t g   = w/n_gqa;
         const int64_t r   = w%n_gqa;

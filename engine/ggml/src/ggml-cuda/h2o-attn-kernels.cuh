@@ -10,7 +10,7 @@
 //      chunk plus attention to the memory set M_{c-1}, and the per-key sums of each part's probabilities
 //      over the block's query rows (the score column sums), written per block;
 //   2. h2o_reduce_settle: adds the blocks' column sums, in block order, to the chunk's F32 sums; when the
-//      chunk is complete they enter the BF16 scores (SPEC item 4) and start again from zero;
+//      chunk is complete they enter the BF16 scores (seed rule item 4) and start again from zero;
 //   3. h2o_build (when the chunk is complete): M_c, the rule of ggml_h2o_build_memory_set.
 // With query-aware selection, h2o_select_query chooses the memory of chunk c from its own queries before step 1
 // instead of step 3; queries of the dense tail run in h2o_attn_dense instead of step 1. With coverage selection every
@@ -651,7 +651,7 @@ static __global__ void h2o_attn_generic(
                 lb = h2o_warp_sum(sb);
             }
 
-            // exact merge of the two parts through their row maxima (seed 002, Alg. 1), a learned sink's logit in
+            // exact merge of the two parts through their row maxima, a learned sink's logit in
             // the denominator
             const float sk = h2o_sink_of(sinks, ih);
             wa = 1.0f/la;
