@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Compile-checks the CUDA side of the patch series on a machine with no GPU and no CUDA install.
+# Compile-checks the CUDA side of engine/ and the hooks on a machine with no GPU and no CUDA install.
 #
 # The toolkit comes from PyPI (scripts/cuda-toolkit.sh, once: ~500 MB to download, 1 GB
-# unpacked, in target/cuda-toolkit). This script applies the patch series to the pinned
-# llama.cpp in target/cuda-check/llama.cpp and compiles the CUDA translation units the series
-# adds or changes for the GPUs in CUDA_ARCHS (default 90: H100/H200), with the flags ggml's CMake
+# unpacked, in target/cuda-toolkit). This script adds engine/ and applies the hooks to the
+# pinned llama.cpp in target/cuda-check/llama.cpp and compiles the CUDA translation units they
+# add or change for the GPUs in CUDA_ARCHS (default 90: H100/H200), with the flags ggml's CMake
 # uses. It runs nothing: the GPU run is scripts/gpu-test.sh on a machine with a GPU.
 #
 #   scripts/cuda-compile-check.sh          # h2o-attn.cu, h2o-decode.cu and ggml-cuda.cu: a few minutes
@@ -26,7 +26,7 @@ archs="${CUDA_ARCHS:-90}"
 tree="$target/cuda-check/llama.cpp"
 rm -rf "$tree"
 mkdir -p "$(dirname "$tree")"
-echo "== applying the patch series to the pinned llama.cpp in $tree" >&2
+echo "== engine/ and the hooks onto the pinned llama.cpp in $tree" >&2
 scripts/patches.sh apply "$tree" > /dev/null
 
 gencode=()

@@ -1071,125 +1071,193 @@ size_t ggml_h2o_attn_coverage_work_size(const ggml_tensor * dst) {
     return h2o_coverage_layout(nullptr, nullptr, n_head*n_tiles, stride, S, mem_max);
 }
 
-static void ggml_compute_forward_h2o_attn_coverage(
-        const ggml_compute_params * params,
-        ggml_tensor * dst) {
-    const ggml_tensor * q       = dst->src[0];
-    const ggml_tensor * k       = dst->src[1];
-    const ggml_tensor * v       = dst->src[2];
-          ggml_tensor * scores  = dst->src[3];
-          ggml_tensor * mem_idx = dst->src[4];
-          ggml_tensor * acc     = dst->src[5];
+// One call of GGML_OP_H2O_ATTN with coverage selection: its tensors, parameters and shapes, the thread's buffers, the
+// chunk being walked, and the steps each chunk takes, a barrier between the estimates and the budget and after the
+// attention (ggml_compute_forward_h2o_attn_coverage).
+struct h2o_coverage_call {
+    const ggml_compute_params * params;
+    ggml_tensor * dst;
 
-    const int32_t p0         = ggml_get_op_params_i32(dst, 0);
-    const int32_t S          = ggml_get_op_params_i32(dst, 1);
-    const int32_t L          = ggml_get_op_params_i32(dst, 2);
-    const int32_t H          = ggml_get_op_params_i32(dst, 3);
-    const int32_t mem_chunk0 = ggml_get_op_params_i32(dst, 4);
-    const int32_t acc_chunk0 = ggml_get_op_params_i32(dst, 5);
-    const int32_t n_sink     = ggml_get_op_params_i32(dst, 8);
-    const int32_t tail_start = ggml_get_op_params_i32(dst, 9);
-    const float   coverage   = ggml_get_op_params_f32(dst, 10);
-    const int32_t every      = H2O_QT/ggml_get_op_params_i32(dst, 11); // a sampled query in every `every`
-    const int32_t sketch     = ggml_get_op_params_i32(dst, 13);         // the proposal's logits over D/sketch channels
+    const ggml_tensor * q;
+    const ggml_tensor * k;
+    const ggml_tensor * v;
+          ggml_tensor * scores;
+          ggml_tensor * mem_idx;
+          ggml_tensor * acc;
 
-    const int64_t D         = q->ne[0];
-    const int64_t Dv        = v->ne[0];
-    const int64_t n_head    = q->ne[1];
-    const int64_t n_tokens  = q->ne[2];
-    const int64_t n_head_kv = k->ne[1];
-    const int64_t n_gqa     = n_head/n_head_kv;
-    const int64_t kv_size   = scores->ne[0];
-    const int32_t M         = L + H;
-    const int32_t p1        = p0 + (int32_t) n_tokens;
+    int32_t p0;
+    int32_t S;
+    int32_t L;
+    int32_t H;
+    int32_t mem_chunk0;
+    int32_t acc_chunk0;
+    int32_t n_sink;
+    int32_t tail_start;
+    float   coverage;
+    int32_t every;  // a sampled query in every `every`
+    int32_t sketch; // the proposal's logits over D/sketch channels
 
-    GGML_ASSERT(k->nb[0] == ggml_type_size(k->type) && v->nb[0] == ggml_type_size(v->type) && q->nb[0] == sizeof(float));
+    int64_t D;
+    int64_t Dv;
+    int64_t n_head;
+    int64_t n_tokens;
+    int64_t n_head_kv;
+    int64_t n_gqa;
+    int64_t kv_size;
+    int32_t M;
+    int32_t p1;
 
-    const int32_t n_steps_max = (GGML_H2O_MAX_HEAVY_FACTOR*H + GGML_H2O_BUDGET_STEP - 1)/GGML_H2O_BUDGET_STEP;
-    const int64_t n_tiles     = (S + H2O_QT - 1)/H2O_QT;
-    const int64_t stride      = n_steps_max + 1;
-    const int64_t nb_chunk    = h2o_n_blocks(S);
-    const int64_t mem_max     = (int64_t) n_sink + L + (int64_t) GGML_H2O_MAX_HEAVY_FACTOR*H;
-    const int64_t nb_mem_max  = h2o_n_blocks(mem_max);
-    GGML_ASSERT(params->wsize >= ggml_h2o_attn_coverage_work_size(dst));
+    int32_t n_steps_max;
+    int64_t n_tiles;
+    int64_t stride;
+    int64_t nb_chunk;
+    int64_t mem_max;
+    int64_t nb_mem_max;
     h2o_coverage_shared shared[2];
-    h2o_coverage_layout(shared, params->wdata, n_head*n_tiles, stride, S, mem_max);
 
-    thread_local std::vector<float> k_chunk;
-    thread_local std::vector<float> v_chunk;
-    thread_local std::vector<float> k_mem;
-    thread_local std::vector<float> v_mem;
-    thread_local std::vector<int32_t> masked;
-    thread_local std::vector<int32_t> memory;     // one tile's memory, ascending
-    thread_local std::vector<float> far_sums;     // per position before the chunk: column sums of all its tiles
-    thread_local std::vector<int32_t> forced;     // sinks and local window
-    thread_local std::vector<int32_t> given;      // budget steps of every unit
-    thread_local std::vector<std::vector<int32_t>> ranked; // [head][tile]
-    thread_local std::vector<int32_t> mem_chunk;  // per head, as in the other policies
-    thread_local std::vector<int32_t> acc_chunk;
-    thread_local std::vector<float> o_intra;      // [head][tile][H2O_QT][Dv]: each tile's intra part, from step 1
-    thread_local std::vector<h2o_row_part> part_intra; // [head][tile][H2O_QT]
-    thread_local h2o_coverage_scratch est;
-    thread_local h2o_tile_scratch tile;
-    thread_local h2o_span_scratch span;
-    k_chunk.resize((size_t) nb_chunk*D*H2O_KB);
-    v_chunk.resize((size_t) nb_chunk*H2O_KB*Dv);
-    k_mem  .resize((size_t) nb_mem_max*D*H2O_KB);
-    v_mem  .resize((size_t) nb_mem_max*H2O_KB*Dv);
-    tile.reserve(D, Dv, nb_chunk, nb_mem_max);
-    span.reserve(D, Dv);
-    ranked.resize((size_t) n_head*n_tiles);
-    est.far_ikv = -1; // keys packed by an earlier call are not this call's
+    h2o_row_type kt;
+    h2o_row_type vt;
+
     // A head's state (its scores, memory set and sums) is one thread's, a contiguous range of heads. The estimates and
     // the attention go in units of one head's tile, a contiguous range of units per thread (the same in steps 1 and 3,
     // which keep a tile's intra part on the thread that computed it), so that nine heads on two threads are not four
     // and five; heads sharing a KV head (GQA) mostly share a thread and the packed keys of step 1. A unit's column sums
     // go to the shared buffers, and the head's thread adds them to its state in tile order.
-    const int64_t head_begin = n_head*params->ith/params->nth;
-    const int64_t head_end   = n_head*(params->ith + 1)/params->nth;
-    o_intra.resize((size_t) n_head*n_tiles*H2O_QT*Dv);
-    part_intra.resize((size_t) n_head*n_tiles*H2O_QT);
-    mem_chunk.assign(n_head, mem_chunk0);
-    acc_chunk.assign(n_head, acc_chunk0);
+    int64_t head_begin;
+    int64_t head_end;
 
-    const h2o_row_type kt(k->type);
-    const h2o_row_type vt(v->type);
-    const auto k_row = [&](int64_t pos, int64_t ikv) {
+    // the thread's buffers, kept across calls
+    struct buffers {
+        std::vector<float> k_chunk;
+        std::vector<float> v_chunk;
+        std::vector<float> k_mem;
+        std::vector<float> v_mem;
+        std::vector<int32_t> masked;
+        std::vector<int32_t> memory;     // one tile's memory, ascending
+        std::vector<float> far_sums;     // per position before the chunk: column sums of all its tiles
+        std::vector<int32_t> forced;     // sinks and local window
+        std::vector<int32_t> given;      // budget steps of every unit
+        std::vector<std::vector<int32_t>> ranked; // [head][tile]
+        std::vector<int32_t> mem_chunk;  // per head, as in the other policies
+        std::vector<int32_t> acc_chunk;
+        std::vector<float> o_intra;      // [head][tile][H2O_QT][Dv]: each tile's intra part, from step 1
+        std::vector<h2o_row_part> part_intra; // [head][tile][H2O_QT]
+        h2o_coverage_scratch est;
+        h2o_tile_scratch tile;
+        h2o_span_scratch span;
+    };
+    static buffers & thread_buffers() {
+        thread_local buffers b;
+        return b;
+    }
+    std::vector<float> & k_chunk;
+    std::vector<float> & v_chunk;
+    std::vector<float> & k_mem;
+    std::vector<float> & v_mem;
+    std::vector<int32_t> & masked;
+    std::vector<int32_t> & memory;
+    std::vector<float> & far_sums;
+    std::vector<int32_t> & forced;
+    std::vector<int32_t> & given;
+    std::vector<std::vector<int32_t>> & ranked;
+    std::vector<int32_t> & mem_chunk;
+    std::vector<int32_t> & acc_chunk;
+    std::vector<float> & o_intra;
+    std::vector<h2o_row_part> & part_intra;
+    h2o_coverage_scratch & est;
+    h2o_tile_scratch & tile;
+    h2o_span_scratch & span;
+
+    // the chunk being walked (begin_chunk)
+    int32_t c = 0;
+    int32_t cs = 0;
+    int32_t ce = 0;
+    int32_t q_end = 0;
+    int32_t i_begin = 0;
+    bool    has_memory = false;
+    int64_t t_first = 0;
+    int64_t n_t = 0;
+    int64_t n_units = 0;
+    int64_t u_begin = 0;
+    int64_t u_end = 0;
+    const h2o_coverage_shared * chunk_shared = nullptr; // shared[c % 2]
+    int32_t local_start = 0;
+    int32_t sink_end = 0;
+    int32_t heavy = 0;
+    int32_t n_rank = 0;
+    int32_t n_steps = 0;
+
+    h2o_coverage_call(const ggml_compute_params * params, ggml_tensor * dst) :
+        params(params), dst(dst),
+        q(dst->src[0]), k(dst->src[1]), v(dst->src[2]), scores(dst->src[3]), mem_idx(dst->src[4]), acc(dst->src[5]),
+        p0(ggml_get_op_params_i32(dst, 0)), S(ggml_get_op_params_i32(dst, 1)), L(ggml_get_op_params_i32(dst, 2)),
+        H(ggml_get_op_params_i32(dst, 3)), mem_chunk0(ggml_get_op_params_i32(dst, 4)),
+        acc_chunk0(ggml_get_op_params_i32(dst, 5)), n_sink(ggml_get_op_params_i32(dst, 8)),
+        tail_start(ggml_get_op_params_i32(dst, 9)), coverage(ggml_get_op_params_f32(dst, 10)),
+        every(H2O_QT/ggml_get_op_params_i32(dst, 11)), sketch(ggml_get_op_params_i32(dst, 13)),
+        D(q->ne[0]), Dv(v->ne[0]), n_head(q->ne[1]), n_tokens(q->ne[2]), n_head_kv(k->ne[1]),
+        n_gqa(n_head/n_head_kv), kv_size(scores->ne[0]), M(L + H), p1(p0 + (int32_t) n_tokens),
+        n_steps_max((GGML_H2O_MAX_HEAVY_FACTOR*H + GGML_H2O_BUDGET_STEP - 1)/GGML_H2O_BUDGET_STEP),
+        n_tiles((S + H2O_QT - 1)/H2O_QT), stride(n_steps_max + 1), nb_chunk(h2o_n_blocks(S)),
+        mem_max((int64_t) n_sink + L + (int64_t) GGML_H2O_MAX_HEAVY_FACTOR*H), nb_mem_max(h2o_n_blocks(mem_max)),
+        kt(k->type), vt(v->type),
+        head_begin(n_head*params->ith/params->nth), head_end(n_head*(params->ith + 1)/params->nth),
+        k_chunk(thread_buffers().k_chunk), v_chunk(thread_buffers().v_chunk), k_mem(thread_buffers().k_mem),
+        v_mem(thread_buffers().v_mem), masked(thread_buffers().masked), memory(thread_buffers().memory),
+        far_sums(thread_buffers().far_sums), forced(thread_buffers().forced), given(thread_buffers().given),
+        ranked(thread_buffers().ranked), mem_chunk(thread_buffers().mem_chunk), acc_chunk(thread_buffers().acc_chunk),
+        o_intra(thread_buffers().o_intra), part_intra(thread_buffers().part_intra), est(thread_buffers().est),
+        tile(thread_buffers().tile), span(thread_buffers().span) {
+        GGML_ASSERT(k->nb[0] == ggml_type_size(k->type) && v->nb[0] == ggml_type_size(v->type) && q->nb[0] == sizeof(float));
+        GGML_ASSERT(params->wsize >= ggml_h2o_attn_coverage_work_size(dst));
+        h2o_coverage_layout(shared, params->wdata, n_head*n_tiles, stride, S, mem_max);
+
+        k_chunk.resize((size_t) nb_chunk*D*H2O_KB);
+        v_chunk.resize((size_t) nb_chunk*H2O_KB*Dv);
+        k_mem  .resize((size_t) nb_mem_max*D*H2O_KB);
+        v_mem  .resize((size_t) nb_mem_max*H2O_KB*Dv);
+        tile.reserve(D, Dv, nb_chunk, nb_mem_max);
+        span.reserve(D, Dv);
+        ranked.resize((size_t) n_head*n_tiles);
+        est.far_ikv = -1; // keys packed by an earlier call are not this call's
+        o_intra.resize((size_t) n_head*n_tiles*H2O_QT*Dv);
+        part_intra.resize((size_t) n_head*n_tiles*H2O_QT);
+        mem_chunk.assign(n_head, mem_chunk0);
+        acc_chunk.assign(n_head, acc_chunk0);
+    }
+
+    h2o_row k_row(int64_t pos, int64_t ikv) const {
         return h2o_row { (const char *) k->data + pos*k->nb[2] + ikv*k->nb[1], &kt };
-    };
-    const auto v_row = [&](int64_t pos, int64_t ikv) {
+    }
+    h2o_row v_row(int64_t pos, int64_t ikv) const {
         return h2o_row { (const char *) v->data + pos*v->nb[2] + ikv*v->nb[1], &vt };
-    };
-    const auto head_state = [&](int64_t ih, ggml_bf16_t ** sc, int32_t ** mem, float ** acc_intra) {
+    }
+    void head_state(int64_t ih, ggml_bf16_t ** sc, int32_t ** mem, float ** acc_intra) const {
         *sc        = (ggml_bf16_t *) ((char *) scores->data  + ih*scores->nb[1]);
         *mem       = (int32_t     *) ((char *) mem_idx->data + ih*mem_idx->nb[1]);
         *acc_intra = (float       *) ((char *) acc->data     + ih*acc->nb[1]);
-    };
+    }
 
-    for (int32_t c = p0/S; c <= (p1 - 1)/S; ++c) {
-        const int32_t cs         = c*S;
-        const int32_t ce         = cs + S;
-        const int32_t q_end      = std::min(p1, ce);
-        const int32_t i_begin    = std::max(p0, cs);
-        const bool    has_memory = c >= 1;
-        const int64_t t_first    = cs + (int64_t) (i_begin - cs)/H2O_QT*H2O_QT;
-        const int64_t n_t        = (q_end - t_first + H2O_QT - 1)/H2O_QT;
-        // tile ti: its rows r0 .. r1; its queries' intra part reaches the chunk offsets 0 .. r1 - cs
-        const auto tile_rows = [&](int64_t ti, int64_t & r0, int64_t & r1) {
-            r0 = std::max<int64_t>(t_first + ti*H2O_QT, i_begin);
-            r1 = std::min<int64_t>(t_first + (ti + 1)*H2O_QT, q_end);
-        };
-        const int64_t n_units = n_head*n_t;
-        const int64_t u_begin = n_units*params->ith/params->nth;
-        const int64_t u_end   = n_units*(params->ith + 1)/params->nth;
-        const h2o_coverage_shared & sh = shared[c % 2];
-        int64_t chunk_head = -1; // without a memory (step 3): the head whose chunk k_chunk and v_chunk hold
+    // the chunk c: its queries' range, this thread's units, its shared buffers, the memory's fixed part
+    void begin_chunk(int32_t chunk) {
+        c          = chunk;
+        cs         = c*S;
+        ce         = cs + S;
+        q_end      = std::min(p1, ce);
+        i_begin    = std::max(p0, cs);
+        has_memory = c >= 1;
+        t_first    = cs + (int64_t) (i_begin - cs)/H2O_QT*H2O_QT;
+        n_t        = (q_end - t_first + H2O_QT - 1)/H2O_QT;
+        n_units    = n_head*n_t;
+        u_begin    = n_units*params->ith/params->nth;
+        u_end      = n_units*(params->ith + 1)/params->nth;
+        chunk_shared = &shared[c % 2];
 
-        const int32_t local_start = std::max(cs - L, 0);
-        const int32_t sink_end    = std::min(n_sink, local_start);
-        const int32_t heavy       = std::max(H - sink_end, 0);
-        const int32_t n_rank      = std::min(local_start - sink_end, GGML_H2O_MAX_HEAVY_FACTOR*H);
-        const int32_t n_steps     = (n_rank + GGML_H2O_BUDGET_STEP - 1)/GGML_H2O_BUDGET_STEP;
+        local_start = std::max(cs - L, 0);
+        sink_end    = std::min(n_sink, local_start);
+        heavy       = std::max(H - sink_end, 0);
+        n_rank      = std::min(local_start - sink_end, GGML_H2O_MAX_HEAVY_FACTOR*H);
+        n_steps     = (n_rank + GGML_H2O_BUDGET_STEP - 1)/GGML_H2O_BUDGET_STEP;
         forced.clear();
         for (int32_t pos = 0; pos < sink_end; ++pos) {
             forced.push_back(pos);
@@ -1197,8 +1265,16 @@ static void ggml_compute_forward_h2o_attn_coverage(
         for (int32_t pos = local_start; pos < cs; ++pos) {
             forced.push_back(pos);
         }
+    }
 
-        // 0. bookkeeping of this thread's heads
+    // tile ti: its rows r0 .. r1; its queries' intra part reaches the chunk offsets 0 .. r1 - cs
+    void tile_rows(int64_t ti, int64_t & r0, int64_t & r1) const {
+        r0 = std::max<int64_t>(t_first + ti*H2O_QT, i_begin);
+        r1 = std::min<int64_t>(t_first + (ti + 1)*H2O_QT, q_end);
+    }
+
+    // 0. bookkeeping of this thread's heads
+    void bookkeep_heads() {
         for (int64_t ih = head_begin; ih < head_end; ++ih) {
             ggml_bf16_t * sc; int32_t * mem; float * acc_intra;
             head_state(ih, &sc, &mem, &acc_intra);
@@ -1216,45 +1292,50 @@ static void ggml_compute_forward_h2o_attn_coverage(
                 acc_chunk[ih] = c;
             }
         }
+    }
 
-        // 1. the estimates of this thread's units (a run of tiles of one head at a time), their intra parts kept
-        if (has_memory) {
-            for (int64_t u = u_begin; u < u_end; ) {
-                const int64_t ih       = u/n_t;
-                const int64_t ikv      = ih/n_gqa;
-                const int64_t ti_begin = u % n_t;
-                const int64_t ti_end   = std::min(n_t, ti_begin + (u_end - u));
-                h2o_pack_k(k_chunk.data(), q_end - cs, D,  [&](int64_t j) { return k_row(cs + j, ikv); });
-                h2o_pack_v(v_chunk.data(), q_end - cs, Dv, [&](int64_t j) { return v_row(cs + j, ikv); });
-                for (int64_t ti = ti_begin; ti < ti_end; ++ti) {
-                    int64_t r0, r1;
-                    tile_rows(ti, r0, r1);
-                    std::fill_n(sh.cols + (ih*n_tiles + ti)*S, r1 - cs, 0.0f);
-                }
-                h2o_coverage_estimate(q, ih, ikv, p0, cs, i_begin, q_end, ti_begin, ti_end, h2o_logits_of(dst, ih), every,
-                        sketch, [&](int64_t pos) { return k_row(pos, ikv); },
-                        forced, sink_end, local_start, n_rank, n_steps, ranked.data() + ih*n_tiles,
-                        sh.curves + ih*n_tiles*stride, stride, Dv, tail_start, k_chunk.data(), v_chunk.data(),
-                        sh.cols + ih*n_tiles*S, S,
-                        o_intra.data() + ih*n_tiles*H2O_QT*Dv, part_intra.data() + ih*n_tiles*H2O_QT, est, tile);
-                u += ti_end - ti_begin;
+    // 1. the estimates of this thread's units (a run of tiles of one head at a time), their intra parts kept
+    void estimate_units() {
+        const h2o_coverage_shared & sh = *chunk_shared;
+        for (int64_t u = u_begin; u < u_end; ) {
+            const int64_t ih       = u/n_t;
+            const int64_t ikv      = ih/n_gqa;
+            const int64_t ti_begin = u % n_t;
+            const int64_t ti_end   = std::min(n_t, ti_begin + (u_end - u));
+            h2o_pack_k(k_chunk.data(), q_end - cs, D,  [&](int64_t j) { return k_row(cs + j, ikv); });
+            h2o_pack_v(v_chunk.data(), q_end - cs, Dv, [&](int64_t j) { return v_row(cs + j, ikv); });
+            for (int64_t ti = ti_begin; ti < ti_end; ++ti) {
+                int64_t r0, r1;
+                tile_rows(ti, r0, r1);
+                std::fill_n(sh.cols + (ih*n_tiles + ti)*S, r1 - cs, 0.0f);
             }
+            h2o_coverage_estimate(q, ih, ikv, p0, cs, i_begin, q_end, ti_begin, ti_end, h2o_logits_of(dst, ih), every,
+                    sketch, [&](int64_t pos) { return k_row(pos, ikv); },
+                    forced, sink_end, local_start, n_rank, n_steps, ranked.data() + ih*n_tiles,
+                    sh.curves + ih*n_tiles*stride, stride, Dv, tail_start, k_chunk.data(), v_chunk.data(),
+                    sh.cols + ih*n_tiles*S, S,
+                    o_intra.data() + ih*n_tiles*H2O_QT*Dv, part_intra.data() + ih*n_tiles*H2O_QT, est, tile);
+            u += ti_end - ti_begin;
         }
+    }
 
-        // 2. one budget over all heads' tiles
-        if (has_memory) {
-            ggml_barrier(params->threadpool);
-            // units h*n_t + t: the curves of head h start at h*n_tiles
-            std::vector<double> packed((size_t) n_head*n_t*stride);
-            for (int64_t ih = 0; ih < n_head; ++ih) {
-                memcpy(packed.data() + ih*n_t*stride, sh.curves + ih*n_tiles*stride, n_t*stride*sizeof(double));
-            }
-            h2o_coverage_allocate(given, packed.data(), stride, n_head*n_t, n_steps,
-                    n_head*n_t*heavy/GGML_H2O_BUDGET_STEP, coverage);
+    // 2. one budget over all heads' tiles
+    void allocate_budget() {
+        const h2o_coverage_shared & sh = *chunk_shared;
+        // units h*n_t + t: the curves of head h start at h*n_tiles
+        std::vector<double> packed((size_t) n_head*n_t*stride);
+        for (int64_t ih = 0; ih < n_head; ++ih) {
+            memcpy(packed.data() + ih*n_t*stride, sh.curves + ih*n_tiles*stride, n_t*stride*sizeof(double));
         }
+        h2o_coverage_allocate(given, packed.data(), stride, n_head*n_t, n_steps,
+                n_head*n_t*heavy/GGML_H2O_BUDGET_STEP, coverage);
+    }
 
-        // 3. every unit of this thread attends to its own memory, merged with its intra part from step 1 (without a
-        //    memory: to its chunk); the column sums and the memory go to the shared buffers
+    // 3. every unit of this thread attends to its own memory, merged with its intra part from step 1 (without a
+    //    memory: to its chunk); the column sums and the memory go to the shared buffers
+    void attend_units() {
+        const h2o_coverage_shared & sh = *chunk_shared;
+        int64_t chunk_head = -1; // without a memory: the head whose chunk k_chunk and v_chunk hold
         for (int64_t u = u_begin; u < u_end; ++u) {
             const int64_t ih   = u/n_t;
             const int64_t ti   = u % n_t;
@@ -1309,9 +1390,11 @@ static void ggml_compute_forward_h2o_attn_coverage(
                 }
             }
         }
-        ggml_barrier(params->threadpool);
+    }
 
-        // 4. the column sums of every tile of this thread's heads, in tile order, into their state
+    // 4. the column sums of every tile of this thread's heads, in tile order, into their state
+    void add_column_sums() {
+        const h2o_coverage_shared & sh = *chunk_shared;
         for (int64_t ih = head_begin; ih < head_end; ++ih) {
             ggml_bf16_t * sc; int32_t * mem; float * acc_intra;
             head_state(ih, &sc, &mem, &acc_intra);
@@ -1348,11 +1431,33 @@ static void ggml_compute_forward_h2o_attn_coverage(
     }
 
     // this thread's heads, whose tail rows step 3 wrote before the last barrier
-    for (int64_t ih = head_begin; ih < head_end; ++ih) {
-        const int64_t ikv = ih/n_gqa;
-        h2o_dense_tail(dst, q, ih, p0, p1, tail_start, h2o_logits_of(dst, ih),
-                [&](int64_t pos) { return k_row(pos, ikv); }, [&](int64_t pos) { return v_row(pos, ikv); }, tile, span);
+    void dense_tails() {
+        for (int64_t ih = head_begin; ih < head_end; ++ih) {
+            const int64_t ikv = ih/n_gqa;
+            h2o_dense_tail(dst, q, ih, p0, p1, tail_start, h2o_logits_of(dst, ih),
+                    [&](int64_t pos) { return k_row(pos, ikv); }, [&](int64_t pos) { return v_row(pos, ikv); }, tile, span);
+        }
     }
+};
+
+static void ggml_compute_forward_h2o_attn_coverage(
+        const ggml_compute_params * params,
+        ggml_tensor * dst) {
+    h2o_coverage_call call(params, dst);
+
+    for (int32_t c = call.p0/call.S; c <= (call.p1 - 1)/call.S; ++c) {
+        call.begin_chunk(c);
+        call.bookkeep_heads();
+        if (call.has_memory) {
+            call.estimate_units();
+            ggml_barrier(params->threadpool);
+            call.allocate_budget();
+        }
+        call.attend_units();
+        ggml_barrier(params->threadpool);
+        call.add_column_sums();
+    }
+    call.dense_tails();
 }
 
 void ggml_compute_forward_h2o_attn(

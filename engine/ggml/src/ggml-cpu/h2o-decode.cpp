@@ -699,136 +699,172 @@ static int64_t h2o_decode_select(int32_t * list, const float * gap, const h2o_de
     return n_take;
 }
 
-void ggml_compute_forward_h2o_decode(const ggml_compute_params * params, ggml_tensor * dst) {
-    const ggml_tensor * q      = dst->src[0];
-    const ggml_tensor * k      = dst->src[1];
-    const ggml_tensor * v      = dst->src[2];
-          ggml_tensor * summ   = dst->src[3];
-          ggml_tensor * summ_n = dst->src[4];
-    const ggml_tensor * mask   = dst->src[5];
+// One call of the decode op: its tensors, shapes and scratch, and the stages that the threads run one after another,
+// a barrier between each (ggml_compute_forward_h2o_decode): 1. sketch the blocks completed since the last call,
+// 2. estimate each candidate's logit from the sketches, 3. each candidate's gap below its heads' best, 4. choose the
+// positions each group attends to, 5. attend to them in spans, 6. merge the spans per query head.
+struct h2o_decode_step {
+    const ggml_compute_params * params;
+    ggml_tensor * dst;
 
-    const int32_t n_sink   = ggml_get_op_params_i32(dst, 0);
-    const int32_t n_local  = ggml_get_op_params_i32(dst, 1);
-    const int32_t n_budget = ggml_get_op_params_i32(dst, 2);
-    const float   coverage = ggml_get_op_params_f32(dst, 7);
+    const ggml_tensor * q;
+    const ggml_tensor * k;
+    const ggml_tensor * v;
+          ggml_tensor * summ;
+          ggml_tensor * summ_n;
+    const ggml_tensor * mask;
 
-    const int64_t B         = GGML_H2O_DECODE_BLOCK;
-    const int64_t D         = q->ne[0];
-    const int64_t R         = D/4;
-    const int64_t Dv        = v->ne[0];
-    const int64_t n_head    = q->ne[1];
-    const int64_t n_tokens  = q->ne[2];
-    const int64_t n_stream  = q->ne[3];
-    const int64_t n_head_kv = k->ne[1];
-    const int64_t n_gqa     = n_head/n_head_kv;
-    const int64_t n_groups  = n_stream*n_tokens*n_head_kv;
+    int32_t n_sink;
+    int32_t n_local;
+    int32_t n_budget;
+    float   coverage;
 
-    const h2o_row_type kt(k->type);
-    const h2o_row_type vt(v->type);
+    int64_t B;
+    int64_t D;
+    int64_t R;
+    int64_t Dv;
+    int64_t n_head;
+    int64_t n_tokens;
+    int64_t n_stream;
+    int64_t n_head_kv;
+    int64_t n_gqa;
+    int64_t n_groups;
 
-    GGML_ASSERT(params->wsize >= ggml_h2o_decode_work_size(dst));
-    const h2o_decode_scratch scratch(dst, params->wdata);
+    h2o_row_type kt;
+    h2o_row_type vt;
 
-    // per stream: blocks sketched, then each KV head's channels, then the stream's own sink and budget (-1: the op's)
-    const auto sketched = [&](int64_t s) { return (int32_t *) ((char *) summ_n->data + s*summ_n->nb[1]); };
-    const auto channels = [&](int64_t s, int64_t ikv) { return sketched(s) + 1 + ikv*R; };
-    const auto sink_of = [&](int64_t s) {
-        const int32_t own = sketched(s)[summ_n->ne[0] - 2];
-        return own >= 0 ? own : n_sink;
-    };
-    const auto budget_of = [&](int64_t s) {
-        const int32_t own = sketched(s)[summ_n->ne[0] - 1];
-        return own >= 0 ? own : n_budget;
-    };
+    h2o_decode_scratch scratch;
 
-    // every thread finds each query's open cells, and each stream's complete blocks: those of its shortest query
-    thread_local std::vector<int64_t> extent; // [n_stream][n_tokens]
-    extent.resize(n_stream*n_tokens);
-    for (int64_t s = 0; s < n_stream; ++s) {
-        for (int64_t t = 0; t < n_tokens; ++t) {
-            extent[s*n_tokens + t] = h2o_decode_extent(mask, t, s);
+    // every thread finds each query's open cells, [n_stream][n_tokens], and each stream's blocks sketched once step 1
+    // is done, [n_stream], read before thread 0 updates the count (buffers of the thread, kept across calls)
+    std::vector<int64_t> & extent;
+    std::vector<int64_t> & n_sketched;
+
+    // the estimate's units (runs of a group's candidate blocks), each thread a range of them in order, so that it
+    // reads the sketches of its run of units as one stream; step 3 takes the same units, whose estimates its thread
+    // holds
+    int64_t n_est_units = 0;
+
+    h2o_decode_step(const ggml_compute_params * params, ggml_tensor * dst) :
+        params(params), dst(dst),
+        q(dst->src[0]), k(dst->src[1]), v(dst->src[2]), summ(dst->src[3]), summ_n(dst->src[4]), mask(dst->src[5]),
+        n_sink(ggml_get_op_params_i32(dst, 0)), n_local(ggml_get_op_params_i32(dst, 1)),
+        n_budget(ggml_get_op_params_i32(dst, 2)), coverage(ggml_get_op_params_f32(dst, 7)),
+        B(GGML_H2O_DECODE_BLOCK), D(q->ne[0]), R(D/4), Dv(v->ne[0]), n_head(q->ne[1]), n_tokens(q->ne[2]),
+        n_stream(q->ne[3]), n_head_kv(k->ne[1]), n_gqa(n_head/n_head_kv), n_groups(n_stream*n_tokens*n_head_kv),
+        kt(k->type), vt(v->type),
+        scratch(dst, params->wdata),
+        extent(thread_buffer<0>()), n_sketched(thread_buffer<1>()) {
+        extent.resize(n_stream*n_tokens);
+        for (int64_t s = 0; s < n_stream; ++s) {
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                extent[s*n_tokens + t] = h2o_decode_extent(mask, t, s);
+            }
+        }
+        n_sketched.resize(n_stream);
+        for (int64_t s = 0; s < n_stream; ++s) {
+            n_sketched[s] = std::max<int64_t>(*sketched(s), n_complete(s));
+        }
+        for (int64_t g = 0; g < n_groups; ++g) {
+            const h2o_decode_shape sh = shape_of(g);
+            if (sh.chooses()) {
+                const int64_t n_cb = sh.n_cand/B;
+                n_est_units += est_units_of(n_cb, h2o_decode_run_len(n_cb, H2O_DECODE_EST_SPAN));
+            }
         }
     }
-    const auto n_complete = [&](int64_t s) {
+
+    template <int tag>
+    static std::vector<int64_t> & thread_buffer() {
+        thread_local std::vector<int64_t> buf;
+        return buf;
+    }
+
+    // per stream: blocks sketched, then each KV head's channels, then the stream's own sink and budget (-1: the op's)
+    int32_t * sketched(int64_t s) const { return (int32_t *) ((char *) summ_n->data + s*summ_n->nb[1]); }
+    int32_t * channels(int64_t s, int64_t ikv) const { return sketched(s) + 1 + ikv*R; }
+    int32_t sink_of(int64_t s) const {
+        const int32_t own = sketched(s)[summ_n->ne[0] - 2];
+        return own >= 0 ? own : n_sink;
+    }
+    int32_t budget_of(int64_t s) const {
+        const int32_t own = sketched(s)[summ_n->ne[0] - 1];
+        return own >= 0 ? own : n_budget;
+    }
+
+    // each stream's complete blocks: those of its shortest query
+    int64_t n_complete(int64_t s) const {
         int64_t n = extent[s*n_tokens];
         for (int64_t t = 1; t < n_tokens; ++t) {
             n = std::min(n, extent[s*n_tokens + t]);
         }
         return std::min<int64_t>(n/B, summ->ne[2]);
-    };
-    // the blocks sketched once step 1 is done, read before thread 0 updates the count
-    thread_local std::vector<int64_t> n_sketched; // [n_stream]
-    n_sketched.resize(n_stream);
-    for (int64_t s = 0; s < n_stream; ++s) {
-        n_sketched[s] = std::max<int64_t>(*sketched(s), n_complete(s));
     }
+
     // group g: KV head g % n_head_kv of query token t of stream s, g / n_head_kv = s*n_tokens + t
-    const auto shape_of = [&](int64_t g) {
+    h2o_decode_shape shape_of(int64_t g) const {
         const int64_t s = g/(n_head_kv*n_tokens);
         return h2o_decode_shape(extent[g/n_head_kv], n_sketched[s], sink_of(s), n_local, budget_of(s));
-    };
-    const auto sketch_of = [&](int64_t s, int64_t ikv, int64_t b) {
+    }
+
+    uint8_t * sketch_of(int64_t s, int64_t ikv, int64_t b) const {
         return (uint8_t *) summ->data + ikv*summ->nb[1] + b*summ->nb[2] + s*summ->nb[3];
-    };
+    }
+
+    static int64_t est_units_of(int64_t n_cb, int64_t len) { return (n_cb + len - 1)/len; }
+
+    bool est_unit_mine(int64_t unit) const {
+        return unit >= params->ith*n_est_units/params->nth && unit < (params->ith + 1)*n_est_units/params->nth;
+    }
+
+    // the length of a group's list, once chosen
+    int64_t listed(int64_t g) const {
+        const h2o_decode_shape sh = shape_of(g);
+        return sh.n_list - sh.n_take + scratch.taken[g];
+    }
 
     // 1. sketch the blocks completed since the last call, per stream and KV head, after choosing the channels
     // where nothing is sketched yet
-    thread_local std::vector<float> kf;
-    thread_local std::vector<float> vf;
-    thread_local std::vector<float> xs; // a key on the sketch's channels
-    thread_local std::vector<int8_t> x8;
-    kf.resize(D);
-    vf.resize(Dv);
-    xs.resize(R);
-    x8.resize(R);
-    for (int64_t w = params->ith; w < n_stream*n_head_kv; w += params->nth) {
-        const int64_t s   = w/n_head_kv;
-        const int64_t ikv = w%n_head_kv;
-        const char * k_head = (const char *) k->data + ikv*k->nb[1] + s*k->nb[3];
-        const int64_t b0 = *sketched(s);
-        const int64_t b1 = n_complete(s);
-        if (b0 == 0 && b1 > 0) {
-            h2o_decode_channels(channels(s, ikv), R, k_head, k->nb[2], kt, D, b1*B);
-        }
-        const int32_t * chan = channels(s, ikv);
-        for (int64_t b = b0; b < b1; ++b) {
-            uint8_t * sk = sketch_of(s, ikv, b);
-            for (int64_t j = 0; j < B; ++j) {
-                kt.to_f32(k_head + (b*B + j)*k->nb[2], kf.data(), D);
-                for (int64_t c = 0; c < R; ++c) {
-                    xs[c] = kf[chan[c]];
+    void sketch_new_blocks() const {
+        thread_local std::vector<float> kf;
+        thread_local std::vector<float> xs; // a key on the sketch's channels
+        thread_local std::vector<int8_t> x8;
+        kf.resize(D);
+        xs.resize(R);
+        x8.resize(R);
+        for (int64_t w = params->ith; w < n_stream*n_head_kv; w += params->nth) {
+            const int64_t s   = w/n_head_kv;
+            const int64_t ikv = w%n_head_kv;
+            const char * k_head = (const char *) k->data + ikv*k->nb[1] + s*k->nb[3];
+            const int64_t b0 = *sketched(s);
+            const int64_t b1 = n_complete(s);
+            if (b0 == 0 && b1 > 0) {
+                h2o_decode_channels(channels(s, ikv), R, k_head, k->nb[2], kt, D, b1*B);
+            }
+            const int32_t * chan = channels(s, ikv);
+            for (int64_t b = b0; b < b1; ++b) {
+                uint8_t * sk = sketch_of(s, ikv, b);
+                for (int64_t j = 0; j < B; ++j) {
+                    kt.to_f32(k_head + (b*B + j)*k->nb[2], kf.data(), D);
+                    for (int64_t c = 0; c < R; ++c) {
+                        xs[c] = kf[chan[c]];
+                    }
+                    const float scale = h2o_sketch_quantize(x8.data(), xs.data(), R);
+                    for (int64_t c = 0; c < R; ++c) {
+                        sk[h2o_sketch_at(c, j)] = (uint8_t) (x8[c] + 128);
+                    }
+                    memcpy(sk + h2o_sketch_scale_at(R, j), &scale, sizeof(scale));
                 }
-                const float scale = h2o_sketch_quantize(x8.data(), xs.data(), R);
-                for (int64_t c = 0; c < R; ++c) {
-                    sk[h2o_sketch_at(c, j)] = (uint8_t) (x8[c] + 128);
-                }
-                memcpy(sk + h2o_sketch_scale_at(R, j), &scale, sizeof(scale));
             }
         }
     }
-    ggml_barrier(params->threadpool);
 
     // 2. each query head's estimate of its logit at every candidate position, from the sketch: for a block, the
     // integer products of the group's 8-bit queries on the sketch's channels with the block's sketch, scaled
-    thread_local std::vector<float> qg; // [n_gqa][D], then [n_gqa][R]
-    qg.resize(n_gqa*(D + R));
-    thread_local h2o_sketch_queries qs;
-    // the estimate's units (runs of a group's candidate blocks), each thread a range of them in order, so that it
-    // reads the sketches of its run of units as one stream; step 3 takes the same units, whose estimates its thread
-    // holds
-    const auto est_units_of = [&](int64_t n_cb, int64_t len) { return (n_cb + len - 1)/len; };
-    int64_t n_est_units = 0;
-    for (int64_t g = 0; g < n_groups; ++g) {
-        const h2o_decode_shape sh = shape_of(g);
-        if (sh.chooses()) {
-            const int64_t n_cb = sh.n_cand/B;
-            n_est_units += est_units_of(n_cb, h2o_decode_run_len(n_cb, H2O_DECODE_EST_SPAN));
-        }
-    }
-    const auto est_unit_mine = [&](int64_t unit) {
-        return unit >= params->ith*n_est_units/params->nth && unit < (params->ith + 1)*n_est_units/params->nth;
-    };
-    {
+    void estimate() const {
+        thread_local std::vector<float> qg; // [n_gqa][D], then [n_gqa][R]
+        qg.resize(n_gqa*(D + R));
+        thread_local h2o_sketch_queries qs;
         int64_t unit = 0;
         for (int64_t g = 0; g < n_groups; ++g) {
             const h2o_decode_shape sh = shape_of(g);
@@ -866,12 +902,11 @@ void ggml_compute_forward_h2o_decode(const ggml_compute_params * params, ggml_te
             }
         }
     }
-    ggml_barrier(params->threadpool);
 
     // 3. each candidate's gap, in the same units: how far its estimate stands below its head's best, the least over
     // the group's heads, so that a position any head points at counts and a head with small logits counts as much
     // as one with large ones
-    {
+    void gaps() const {
         int64_t unit = 0;
         for (int64_t g = 0; g < n_groups; ++g) {
             const h2o_decode_shape sh = shape_of(g);
@@ -905,51 +940,56 @@ void ggml_compute_forward_h2o_decode(const ggml_compute_params * params, ggml_te
             }
         }
     }
-    ggml_barrier(params->threadpool);
 
     // 4. per group, the positions it attends to: the n_take least gaps (ties to the earlier position), with the
     // sinks and the recent window, ascending
-    if (params->ith == 0) {
-        for (int64_t s = 0; s < n_stream; ++s) {
-            *sketched(s) = (int32_t) n_sketched[s];
-        }
-    }
-    for (int64_t g = params->ith; g < n_groups; g += params->nth) {
-        scratch.taken[g] = h2o_decode_select(scratch.list_of(g), scratch.gap_of(g), shape_of(g), coverage);
-    }
-    ggml_barrier(params->threadpool);
-    // the length of a group's list, once chosen
-    const auto listed = [&](int64_t g) {
-        const h2o_decode_shape sh = shape_of(g);
-        return sh.n_list - sh.n_take + scratch.taken[g];
-    };
-    if (dst->src[7] != nullptr && params->ith == 0) {
-        for (int64_t s = 0; s < n_stream; ++s) {
-            int64_t n_read = 0;
-            for (int64_t g = s*n_tokens*n_head_kv; g < (s + 1)*n_tokens*n_head_kv; ++g) {
-                n_read += listed(g);
+    void choose() const {
+        if (params->ith == 0) {
+            for (int64_t s = 0; s < n_stream; ++s) {
+                *sketched(s) = (int32_t) n_sketched[s];
             }
-            ((float *) dst->src[7]->data)[s] = (float) ((double) n_read/(double) (n_tokens*n_head_kv));
+        }
+        for (int64_t g = params->ith; g < n_groups; g += params->nth) {
+            scratch.taken[g] = h2o_decode_select(scratch.list_of(g), scratch.gap_of(g), shape_of(g), coverage);
         }
     }
 
-    // 5. the attention, in spans of at most H2O_DECODE_SPAN positions of a group's list: each K and V row is read once for
-    // all the group's heads, asked for 16 positions ahead, and each span keeps an exact partial softmax per head.
+    // the positions each stream read, the mean over its KV heads (llama_h2o_decode_keys), once chosen
+    void report_keys_read() const {
+        if (dst->src[7] != nullptr && params->ith == 0) {
+            for (int64_t s = 0; s < n_stream; ++s) {
+                int64_t n_read = 0;
+                for (int64_t g = s*n_tokens*n_head_kv; g < (s + 1)*n_tokens*n_head_kv; ++g) {
+                    n_read += listed(g);
+                }
+                ((float *) dst->src[7]->data)[s] = (float) ((double) n_read/(double) (n_tokens*n_head_kv));
+            }
+        }
+    }
+
+    // 5. the attention, in spans of at most H2O_DECODE_SPAN positions of a group's list: each K and V row is read once
+    // for all the group's heads, asked for 16 positions ahead, and each span keeps an exact partial softmax per head.
     // F16 keys and values (llama's default cache) take the vector loops, which convert rows in registers and keep
     // the heads' sums there; other types are converted row by row
-    thread_local std::vector<float> x; // [n_gqa][H2O_DECODE_SPAN]
-    x.resize(n_gqa*H2O_DECODE_SPAN);
-    thread_local std::vector<int32_t> open; // the span's open positions
-    open.resize(H2O_DECODE_SPAN);
-    thread_local std::vector<float> mv_open; // their mask values
-    mv_open.resize(H2O_DECODE_SPAN);
+    void attend() const {
+        thread_local std::vector<float> qg; // [n_gqa][D], then [n_gqa][R]
+        thread_local std::vector<float> kf;
+        thread_local std::vector<float> vf;
+        qg.resize(n_gqa*(D + R));
+        kf.resize(D);
+        vf.resize(Dv);
+        thread_local std::vector<float> x; // [n_gqa][H2O_DECODE_SPAN]
+        x.resize(n_gqa*H2O_DECODE_SPAN);
+        thread_local std::vector<int32_t> open; // the span's open positions
+        open.resize(H2O_DECODE_SPAN);
+        thread_local std::vector<float> mv_open; // their mask values
+        mv_open.resize(H2O_DECODE_SPAN);
 #if defined(H2O_VF_LANES)
-    const bool vector_f16 = k->type == GGML_TYPE_F16 && v->type == GGML_TYPE_F16 && D % H2O_VF_LANES == 0 &&
-        Dv % H2O_DECODE_DV_TILE == 0;
+        const bool vector_f16 = k->type == GGML_TYPE_F16 && v->type == GGML_TYPE_F16 && D % H2O_VF_LANES == 0 &&
+            Dv % H2O_DECODE_DV_TILE == 0;
 #else
-    const bool vector_f16 = false;
+        const bool vector_f16 = false;
 #endif
-    {
         constexpr int64_t ahead = 16;
         const size_t k_row = ggml_row_size(k->type, D);
         const size_t v_row = ggml_row_size(v->type, Dv);
@@ -1050,45 +1090,64 @@ void ggml_compute_forward_h2o_decode(const ggml_compute_params * params, ggml_te
             }
         }
     }
-    ggml_barrier(params->threadpool);
 
     // 6. per query head: its spans merged by online softmax, with the learned sink in the denominator
-    for (int64_t w = params->ith; w < n_groups*n_gqa; w += params->nth) {
-        const int64_t g   = w/n_gqa;
-        const int64_t r   = w%n_gqa;
-        const int64_t ikv = g%n_head_kv;
-        const int64_t t   = (g/n_head_kv)%n_tokens;
-        const int64_t s   = g/(n_head_kv*n_tokens);
-        const int64_t ih  = ikv*n_gqa + r;
-        const int64_t n_list  = listed(g);
-        const int64_t len     = h2o_decode_run_len(n_list, H2O_DECODE_SPAN);
-        const int64_t n_spans = (n_list + len - 1)/len;
+    void merge() const {
+        for (int64_t w = params->ith; w < n_groups*n_gqa; w += params->nth) {
+            const int64_t g   = w/n_gqa;
+            const int64_t r   = w%n_gqa;
+            const int64_t ikv = g%n_head_kv;
+            const int64_t t   = (g/n_head_kv)%n_tokens;
+            const int64_t s   = g/(n_head_kv*n_tokens);
+            const int64_t ih  = ikv*n_gqa + r;
+            const int64_t n_list  = listed(g);
+            const int64_t len     = h2o_decode_run_len(n_list, H2O_DECODE_SPAN);
+            const int64_t n_spans = (n_list + len - 1)/len;
 
-        float m = -INFINITY;
-        for (int64_t sp = 0; sp < n_spans; ++sp) {
-            m = std::max(m, scratch.part_of(g, sp)[r*(2 + Dv)]);
-        }
-        float * out = (float *) ((char *) dst->data + ih*dst->nb[1] + t*dst->nb[2] + s*dst->nb[3]);
-        std::fill(out, out + Dv, 0.0f);
-        float l = 0.0f;
-        if (m != -INFINITY) {
+            float m = -INFINITY;
             for (int64_t sp = 0; sp < n_spans; ++sp) {
-                const float * pr = scratch.part_of(g, sp) + r*(2 + Dv);
-                if (pr[0] == -INFINITY) {
-                    continue;
+                m = std::max(m, scratch.part_of(g, sp)[r*(2 + Dv)]);
+            }
+            float * out = (float *) ((char *) dst->data + ih*dst->nb[1] + t*dst->nb[2] + s*dst->nb[3]);
+            std::fill(out, out + Dv, 0.0f);
+            float l = 0.0f;
+            if (m != -INFINITY) {
+                for (int64_t sp = 0; sp < n_spans; ++sp) {
+                    const float * pr = scratch.part_of(g, sp) + r*(2 + Dv);
+                    if (pr[0] == -INFINITY) {
+                        continue;
+                    }
+                    const float e = expf(pr[0] - m);
+                    l += pr[1]*e;
+                    ggml_vec_mad_f32((int) Dv, out, pr + 2, e);
                 }
-                const float e = expf(pr[0] - m);
-                l += pr[1]*e;
-                ggml_vec_mad_f32((int) Dv, out, pr + 2, e);
+            }
+            const float sink = h2o_logits_of(dst, ih).sink;
+            if (sink != -INFINITY) {
+                l += m == -INFINITY ? 1.0f : expf(sink - m);
+            }
+            const float inv = l > 0.0f ? 1.0f/l : 0.0f;
+            for (int64_t d = 0; d < Dv; ++d) {
+                out[d] *= inv;
             }
         }
-        const float sink = h2o_logits_of(dst, ih).sink;
-        if (sink != -INFINITY) {
-            l += m == -INFINITY ? 1.0f : expf(sink - m);
-        }
-        const float inv = l > 0.0f ? 1.0f/l : 0.0f;
-        for (int64_t d = 0; d < Dv; ++d) {
-            out[d] *= inv;
-        }
     }
+};
+
+void ggml_compute_forward_h2o_decode(const ggml_compute_params * params, ggml_tensor * dst) {
+    GGML_ASSERT(params->wsize >= ggml_h2o_decode_work_size(dst));
+    const h2o_decode_step step(params, dst);
+
+    step.sketch_new_blocks();
+    ggml_barrier(params->threadpool);
+    step.estimate();
+    ggml_barrier(params->threadpool);
+    step.gaps();
+    ggml_barrier(params->threadpool);
+    step.choose();
+    ggml_barrier(params->threadpool);
+    step.report_keys_read();
+    step.attend();
+    ggml_barrier(params->threadpool);
+    step.merge();
 }
