@@ -4,7 +4,7 @@
 //!
 //!   cargo run --release --example state_timing -- [N] [REPS] [DIR]
 //!
-//! Uses the public API only, so that the same file times an older build (README, "Saved states").
+//! Uses the public API only, so that the same file times an older build (docs/library.md, "Saved states").
 
 use std::path::PathBuf;
 use std::time::Instant;

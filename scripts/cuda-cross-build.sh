@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds h2o-cli with ggml's CUDA backend on a machine with no GPU and no CUDA install, for a GPU
-# machine with no Rust (the `device` machines: CUDA 13 driver, H100/H200):
+# machine with no Rust (CUDA 13 driver, H100/H200):
 #
 #   scripts/cuda-cross-build.sh [ARCHS]   # ARCHS: CMake's CUDA architectures, default 90-real
 #
@@ -8,7 +8,7 @@
 # (AVX2), the GPU code as machine code for ARCHS, the CUDA runtime linked statically. The build
 # goes to target/cuda (its own target directory: a CUDA build of ggml is hundreds of translation
 # units, hours on 2 cores the first time, incremental afterwards), and the stripped program,
-# compressed, to target/gpu-cli/h2o-cli.xz (what a device call carries, with its sha256).
+# compressed, to target/gpu-cli/h2o-cli.xz (what is copied to the GPU machine, with its sha256).
 # There it needs the driver and cuBLAS 13: LD_LIBRARY_PATH=<the toolkit's lib64> ./h2o-cli.
 set -euo pipefail
 cd "$(dirname "$0")/.."

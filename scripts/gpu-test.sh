@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU proof and speed runs of the CUDA backend, for a machine with an NVIDIA GPU, nvcc and cmake but no
-# Rust (the `device` machines). Here (needs cargo, pip):
+# Rust (a GPU machine with nvcc, cmake and python). Here (needs cargo, pip):
 #
 #   scripts/gpu-test.sh pack [MODEL]  # the patched llama.cpp, the C++ tests and harnesses and the
 #                                # synthetic-model script (h2o-gpu-src.tar.gz, ~6 MB), the default model's
@@ -45,10 +45,10 @@
 #                                # prints the path of that model, made first if needed (`default`: the
 #                                # default model assembled from its halves)
 #
-# With the device tool (each call carries at most 64 MiB; files stay in /tmp only while calls follow each
-# other within 30 s), three calls in a row; docs/development.md has them as commands:
-#   1. `start`, carrying target/gpu and target/gpu-cli;  2. `keep`, carrying target/gpu-a;
-#   3. `keep` and scripts/gpu-e2e.sh (which waits for the background checks), carrying target/gpu-b.
+# Where files reach the GPU machine in parts of at most 64 MiB, each kept only while the next command follows
+# soon, three commands in a row (docs/development.md has them):
+#   1. `start`, with target/gpu and target/gpu-cli copied over;  2. `keep`, with target/gpu-a;
+#   3. `keep` and scripts/gpu-e2e.sh (which waits for the background checks), with target/gpu-b.
 # Where Rust is available with the GPU, the end-to-end checks are the Rust tests and `h2o-cli bench -ngl 99`
 # of a `cargo build --release --features cuda` build.
 set -euo pipefail
@@ -181,7 +181,7 @@ pack)
     # the texts of the quality runs (scripts/study-texts.sh)
     [ -f target/texts/techdoc.txt ] || scripts/study-texts.sh target/texts > /dev/null
     tar cJf "$gpu/texts.tar.xz" -C target texts
-    # the tokenizer for synthetic models, and the gguf package that writes them (the device has no network)
+    # the tokenizer for synthetic models, and the gguf package that writes them (the GPU machine has no network)
     if [ ! -f "$gpu/$gguf_wheel" ]; then
         python3 -m pip download -q --no-deps --only-binary=:all: -d "$gpu" "gguf==$gguf_version"
         [ -f "$gpu/$gguf_wheel" ] || { echo "gpu-test.sh: pip did not fetch $gguf_wheel" >&2; exit 1; }

@@ -277,7 +277,7 @@ fn h2o_state_is_reset_between_prompts() {
 
 #[test]
 fn multi_turn_follows_the_documented_rule() {
-    // README "multi-turn": decode neither reads nor writes scores; a later prompt attends to the
+    // docs/architecture.md, "Prompt caches and multi-turn": decode neither reads nor writes scores; a later prompt attends to the
     // decoded tokens like any cached token of its chunk; a chunk completed by decode gets its
     // memory set when a prompt first needs it. The result is deterministic and the state valid.
     let m = common::model();
