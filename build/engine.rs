@@ -44,10 +44,10 @@ struct Group {
     patched_only: bool,
 }
 
-/// The units of common/ that llama-server's JSON schema conversion and chat templates need
-/// (their C entry points are engine/common/*-c.*): the converter, the Jinja engine, the chat templates with their
-/// tool call parsers, their JSON library and logging, the C entry points, and the helpers of
-/// common.cpp they use (common-standalone.cpp), in place of common.cpp itself.
+/// The units of common/ that llama-server's JSON schema conversion and chat templates need: the
+/// converter, the Jinja engine, the chat templates with their tool call parsers, their JSON
+/// library and logging, the C entry points (engine/common/*-c.cpp), and the helpers of
+/// common.cpp they use (engine/common/common-standalone.cpp), in place of common.cpp itself.
 pub const COMMON_SOURCES: &[&str] = &[
     "json.cpp",
     "json-schema.cpp",
