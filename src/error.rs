@@ -149,6 +149,38 @@ pub enum Error {
     },
 }
 
+/// Which kind of failure an [`Error`] is, for front ends that tell them apart (h2o-cli's and
+/// h2o-server's exit codes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The user stopped it.
+    Interrupted,
+    /// The model: missing, unreadable, not GGUF, rejected by llama.cpp, or the default model's
+    /// download failed.
+    Model,
+    /// llama.cpp refused or failed while running (context creation, decode).
+    Runtime,
+    /// The input or the parameters.
+    Input,
+}
+
+impl Error {
+    /// Which kind of failure this is.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Interrupted => ErrorKind::Interrupted,
+            Error::ModelNotFound { .. }
+            | Error::ModelUnreadable { .. }
+            | Error::NotGguf { .. }
+            | Error::ModelLoad { .. }
+            | Error::DefaultModel(_) => ErrorKind::Model,
+            Error::Decode(_) | Error::ContextInit { .. } => ErrorKind::Runtime,
+            _ => ErrorKind::Input,
+        }
+    }
+}
+
 impl From<std::ffi::NulError> for Error {
     fn from(e: std::ffi::NulError) -> Self {
         Error::NulInText(e.nul_position())

@@ -27,45 +27,37 @@
 pub mod sys;
 
 mod backend;
-pub mod bench;
+mod cache_type;
 pub mod capture;
-#[cfg(feature = "charts")]
-pub mod chart;
 mod chat;
 #[cfg(not(feature = "stock"))]
 mod chat_templates;
-pub mod coverage;
 pub mod default_model;
 pub mod demo;
-#[cfg(not(feature = "stock"))]
-pub mod engine_rule;
 mod error;
-pub mod eval;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod grammars;
-pub mod heavy_hitters;
-pub mod llama_flags;
 mod model;
 pub mod models;
-pub mod reference;
+pub mod research;
 mod sampler;
-pub mod scoring;
 mod session;
 
 pub use backend::set_log_echo;
+pub use cache_type::CacheType;
 pub use capture::{AttentionCapture, DecodeCapture};
 pub use chat::ChatMessage;
 #[cfg(not(feature = "stock"))]
 pub use chat_templates::{
     ChatPrompt, ChatReply, ChatTemplateInfo, ChatTemplates, ReplyDelta, ReplyParser, ToolCall,
 };
-pub use error::{DecodeError, Error, H2oError, Result};
+pub use error::{DecodeError, Error, ErrorKind, H2oError, Result};
 pub use model::{Model, ModelParams, Token};
 pub use sampler::{GrammarTriggers, Sampler, SamplerConfig, TokenLogprobs};
 pub use session::{
-    AbortCheck, CacheType, FlashAttention, Generation, H2oConfig, H2oState, Integrity,
-    ParallelSession, PromptCache, Selection, SeqId, Session, SessionConfig, Timings,
+    AbortCheck, FlashAttention, Generation, H2oConfig, H2oState, Integrity, ParallelSession,
+    PromptCache, Selection, SeqId, Session, SessionConfig, Timings,
 };
 
 /// Version of the pinned upstream crate whose llama.cpp this library builds.

@@ -5,8 +5,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
+use crate::cache_type::CacheType;
 use crate::error::{Error, Result};
-use crate::session::CacheType;
 use crate::{backend, sys};
 
 /// A token id of the model's vocabulary.

@@ -2,7 +2,7 @@
 //!
 //! Every measurement is a fresh process (this binary for H2O, `--stock-cli` for stock), so that
 //! each starts from the same cold state and its peak memory is its own. The schedule (engines
-//! alternating), medians and the table are `h2o_llama::bench`'s.
+//! alternating), medians and the table are `h2o_llama::research::bench`'s.
 
 use std::cell::Cell;
 use std::io::IsTerminal;
@@ -11,11 +11,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
-use h2o_llama::bench::{self, Engine, Measurement, Point, Report, Run};
-use h2o_llama::{chart, default_model, models, CacheType, H2oConfig};
-
-/// `-b` unless given: the design's `-b 4096 -ub 1024`.
-const DEFAULT_BATCH: u32 = 4096;
+use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
+use h2o_llama::research::bench::{self, Engine, Measurement, Point, Report, Run};
+use h2o_llama::research::chart;
+use h2o_llama::{default_model, models, H2oConfig};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -31,28 +30,12 @@ pub struct BenchArgs {
     /// Repetitions per prompt length and engine
     #[arg(short = 'r', long, default_value_t = 3)]
     repetitions: u32,
-    /// Model file (GGUF) or a known model's name [default: the default model]
-    #[arg(short = 'm', long, value_name = "FILE")]
-    model: Option<PathBuf>,
-    /// CPU threads
-    #[arg(short = 't', long, default_value_t = 2)]
-    threads: u32,
-    /// Layers to offload to the GPU (-ngl), with a CUDA build; passed to both engines
-    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
-    n_gpu_layers: i32,
-    /// Logical batch (-b) [default: 4096, as in the design's command, or the prompt length if
-    /// shorter; never below -ub]. H2O runs a logical batch as one graph, so its compute buffers
-    /// grow with -b; -b equal to -ub keeps its peak memory at stock's
-    #[arg(short = 'b', long = "batch-size", value_name = "N")]
-    batch_size: Option<u32>,
+    /// The engine of both sides' runs; -b is capped at each prompt length, -c is each prompt
+    /// length
     #[command(flatten)]
-    shape: crate::H2oShape,
-    /// KV cache type for K (-ctk), for both engines
-    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_k: CacheType,
-    /// KV cache type for V (-ctv), for both engines
-    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_v: CacheType,
+    engine: EngineFlags,
+    #[command(flatten)]
+    h2o: H2oFlags,
     /// The stock (unpatched) build's h2o-cli to compare against; build it with
     /// `cargo build --release -p h2o-cli --features stock --target-dir target/stock`. Without it the
     /// baseline is full attention in this build, and is labelled so.
@@ -73,6 +56,12 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
     if let Some(&n) = args.n_prompt.iter().find(|&&n| n < 2) {
         bail!("--n-prompt {n}: a prompt needs at least 2 tokens");
     }
+    args.engine.refuse(
+        "h2o-cli bench",
+        &[EngineFlag::CtxSize],
+        "each run's context is its prompt length",
+    )?;
+    let h2o = args.h2o.compared()?;
     if let Some(png) = &args.png {
         chart::check_writable(png).context("--png")?;
     }
@@ -92,7 +81,7 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
             eprintln!("h2o-cli bench: {msg}");
         }
     };
-    let model = match &args.model {
+    let model = match &args.engine.model {
         Some(p) => models::resolve(p, log, interrupt)?,
         None => default_model::ensure_interruptible(log, interrupt)?,
     };
@@ -107,9 +96,10 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         .map(|&n| Point {
             n_prompt: n,
             n_batch: args
+                .engine
                 .batch_size
-                .unwrap_or(n.min(DEFAULT_BATCH))
-                .max(args.shape.ubatch_size),
+                .unwrap_or(n.min(args.engine.batch_size(true)))
+                .max(args.engine.ubatch_size(true)),
         })
         .collect();
     // the sketch the H2O runs chose for this model (a sketch left out is the model's), so that
@@ -134,7 +124,7 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
             Engine::Baseline => args.stock_cli.as_deref().unwrap_or(&this),
             Engine::H2o => &this,
         };
-        let (measurement, sketch) = measure(exe, &model, args, run)?;
+        let (measurement, sketch) = measure(exe, &model, args, &h2o, run)?;
         if run.engine == Engine::H2o {
             chosen_sketch.set(sketch);
         }
@@ -151,19 +141,16 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         } else {
             "full attention"
         },
-        threads: args.threads,
-        n_gpu_layers: args.n_gpu_layers,
-        n_ubatch: args.shape.ubatch_size,
-        cache_type_k: args.cache_type_k.name(),
-        cache_type_v: args.cache_type_v.name(),
-        h2o_local: args.shape.h2o_local,
-        h2o_heavy: args.shape.h2o_heavy,
-        h2o: {
-            let h2o = args.shape.config();
-            H2oConfig {
-                tile_sketch: chosen_sketch.get().unwrap_or(h2o.tile_sketch),
-                ..h2o
-            }
+        threads: args.engine.threads(),
+        n_gpu_layers: args.engine.n_gpu_layers,
+        n_ubatch: args.engine.ubatch_size(true),
+        cache_type_k: args.engine.cache_type_k.name(),
+        cache_type_v: args.engine.cache_type_v.name(),
+        h2o_local: h2o.local,
+        h2o_heavy: h2o.heavy,
+        h2o: H2oConfig {
+            tile_sketch: chosen_sketch.get().unwrap_or(h2o.tile_sketch),
+            ..h2o
         },
         repetitions: args.repetitions,
         rows,
@@ -189,6 +176,7 @@ fn measure(
     exe: &Path,
     model: &Path,
     args: &BenchArgs,
+    h2o: &H2oConfig,
     run: &Run,
 ) -> Result<(Measurement, Option<u32>)> {
     let Point {
@@ -201,16 +189,15 @@ fn measure(
         .args(["--synthetic-prompt", &n.to_string()])
         .args(["-c", &n.max(n_batch).to_string()])
         .args(["-b", &n_batch.to_string()])
-        .args(["--ubatch-size", &args.shape.ubatch_size.to_string()])
-        .args(["-t", &args.threads.to_string()])
-        .args(["--n-gpu-layers", &args.n_gpu_layers.to_string()])
-        .args(["--cache-type-k", args.cache_type_k.name()])
-        .args(["--cache-type-v", args.cache_type_v.name()])
+        .args(["--ubatch-size", &args.engine.ubatch_size(true).to_string()])
+        .args(["-t", &args.engine.threads().to_string()])
+        .args(["--n-gpu-layers", &args.engine.n_gpu_layers.to_string()])
+        .args(["--flash-attn", &args.engine.flash_attn.to_string()])
+        .args(["--cache-type-k", args.engine.cache_type_k.name()])
+        .args(["--cache-type-v", args.engine.cache_type_v.name()])
         .args(["-n", "0", "--temp", "0", "--json"]);
     if run.engine == Engine::H2o {
-        cmd.args(["--h2o-local", &args.shape.h2o_local.to_string()])
-            .args(["--h2o-heavy", &args.shape.h2o_heavy.to_string()])
-            .args(args.shape.policy.args());
+        cmd.args(args.h2o.args(h2o));
     }
     let out = cmd
         .output()

@@ -1,4 +1,4 @@
-//! `h2o-cli coverage`: the headroom study of memory selection (`h2o_llama::coverage`). It
+//! `h2o-cli coverage`: the headroom study of memory selection (`h2o_llama::research::coverage`). It
 //! captures queries and keys of a full-attention prefill of the text, then prints how much of
 //! each query's attention every way of choosing the memory covers, at the same average budget.
 
@@ -8,40 +8,27 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use h2o_llama::coverage::{self, Report, StudyConfig};
-use h2o_llama::Token;
+use h2o_flags::{EngineFlag, EngineFlags, H2oMemory};
+use h2o_llama::research::coverage::{self, Report, StudyConfig};
+use h2o_llama::{H2oConfig, Token};
 
 #[derive(clap::Args, Debug)]
 pub struct CoverageArgs {
     /// Text to study (UTF-8)
     #[arg(short = 'f', long, value_name = "FILE")]
     file: PathBuf,
-    /// Tokens of the text to use (from its start)
-    #[arg(
-        short = 'c',
-        long = "ctx-size",
-        value_name = "N",
-        default_value_t = 8192
-    )]
-    n_tokens: usize,
-    /// Model file (GGUF) or a known model's name [default: the default model]
-    #[arg(short = 'm', long, value_name = "FILE")]
-    model: Option<PathBuf>,
+    /// The model, the tokens of the text to use from its start (-c; left out: the model's
+    /// training context), the chunk size S (-ub) and the threads (-t); the capture sizes its
+    /// batches itself
+    #[command(flatten)]
+    engine: EngineFlags,
     /// Model layers to study, comma-separated [default: every layer with an H2O op]
     #[arg(long, value_delimiter = ',', value_name = "L,..")]
     layers: Option<Vec<u32>>,
-    /// Chunk size S
-    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 1024)]
-    ubatch_size: usize,
-    /// L of the memory M = L + H, the average budget
-    #[arg(long, value_name = "L", default_value_t = 256)]
-    h2o_local: usize,
-    /// H of the memory M = L + H
-    #[arg(long, value_name = "H", default_value_t = 256)]
-    h2o_heavy: usize,
-    /// Sinks the estimators and today's query and hybrid policies keep
-    #[arg(long, value_name = "N", default_value_t = 4)]
-    h2o_sink: usize,
+    /// The memory M = L + H, the average budget (L = H = 256 where left out), and the sinks the
+    /// estimators and today's query and hybrid policies keep
+    #[command(flatten)]
+    memory: H2oMemory,
     /// Queries per tile for per-tile choices
     #[arg(long, value_name = "N", default_value_t = 64)]
     tile: usize,
@@ -51,9 +38,6 @@ pub struct CoverageArgs {
     /// Measure the queries of chunks from this one on
     #[arg(long, value_name = "C", default_value_t = 1)]
     first_chunk: usize,
-    /// CPU threads
-    #[arg(short = 't', long, default_value_t = 2)]
-    threads: u32,
     /// Measure only the ways of choosing whose name contains this text (today's policies always)
     #[arg(long, value_name = "TEXT")]
     only: Option<String>,
@@ -75,11 +59,26 @@ struct Record<'a> {
 }
 
 pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    args.engine.refuse(
+        "h2o-cli coverage",
+        &[
+            EngineFlag::BatchSize,
+            EngineFlag::GpuLayers,
+            EngineFlag::FlashAttn,
+            EngineFlag::CacheTypes,
+        ],
+        "the study captures full attention on the CPU in batches of its own",
+    )?;
+    let (local, heavy) = args.memory.local_heavy(H2oMemory::COMPARED)?;
+    let threads = args.engine.threads();
     let config = StudyConfig {
-        chunk: args.ubatch_size,
-        local: args.h2o_local,
-        heavy: args.h2o_heavy,
-        sink: args.h2o_sink,
+        chunk: args.engine.ubatch_size(true) as usize,
+        local: local as usize,
+        heavy: heavy as usize,
+        sink: args
+            .memory
+            .sink
+            .unwrap_or(H2oConfig::new(local, heavy).sink) as usize,
         tile: args.tile,
         block: args.block,
         first_chunk: args.first_chunk,
@@ -88,17 +87,20 @@ pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     // bad parameters fail here, before any download or model load
     config.validate()?;
     let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let model = crate::load_model(args.engine.model.as_deref(), 0, args.json, &interrupt)?;
     let mut tokens: Vec<Token> = model.tokenize(&text, true, false)?;
-    if tokens.len() < args.n_tokens {
+    let n_tokens = match args.engine.ctx_size() {
+        0 => model.n_ctx_train() as usize,
+        n => n as usize,
+    };
+    if tokens.len() < n_tokens {
         anyhow::bail!(
-            "{} has {} tokens, fewer than -c {}: use a longer text or a smaller -c",
+            "{} has {} tokens, fewer than -c {n_tokens}: use a longer text or a smaller -c",
             args.file.display(),
             tokens.len(),
-            args.n_tokens
         );
     }
-    tokens.truncate(args.n_tokens);
+    tokens.truncate(n_tokens);
     let talk = !args.json;
     if talk {
         eprintln!(
@@ -106,10 +108,10 @@ pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             tokens.len()
         );
     }
-    let layers = coverage::capture_dense(&model, &tokens, args.layers.as_deref(), args.threads)
+    let layers = coverage::capture_dense(&model, &tokens, args.layers.as_deref(), threads)
         .context("capturing the attention")?;
     if args.output_error {
-        let rows = coverage::remainder::output_errors(&layers, &config, args.threads as usize);
+        let rows = coverage::remainder::output_errors(&layers, &config, threads as usize);
         println!("| memory | far positions left out | output error, mean | p90 | extra keys per query |\n|---|---|---:|---:|---:|");
         for r in rows {
             println!(
@@ -120,7 +122,7 @@ pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         return Ok(());
     }
     let show = talk && std::io::stderr().is_terminal();
-    let report = coverage::run(&layers, &config, args.threads as usize, |done, total| {
+    let report = coverage::run(&layers, &config, threads as usize, |done, total| {
         if show {
             eprint!("\r\x1b[Kcoverage: {done}/{total} heads");
         } else if talk && done == total {

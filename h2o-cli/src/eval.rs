@@ -1,4 +1,4 @@
-//! `h2o-cli eval`: the long-context task suite of `h2o_llama::eval` (needles, multi-key,
+//! `h2o-cli eval`: the long-context task suite of `h2o_llama::research::eval` (needles, multi-key,
 //! multi-value, variable tracking, key-value lookup) at several lengths and depths, answered by
 //! full attention and by each H2O policy on the same prompts in one run.
 
@@ -8,7 +8,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use h2o_llama::eval::{self, Contender, Task};
+use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
+use h2o_llama::research::eval::{self, Contender, Task};
 use h2o_llama::{H2oConfig, SessionConfig};
 
 /// Context beyond a prompt's nominal length: its last sentence may run over, and the answer
@@ -17,9 +18,13 @@ const ANSWER_ROOM: usize = 128;
 
 #[derive(clap::Args, Debug)]
 pub struct EvalArgs {
-    /// Model file (GGUF) [default: the default model]
-    #[arg(short = 'm', long, value_name = "FILE")]
-    model: Option<PathBuf>,
+    /// The engine of every contender; -c is each prompt's length and room for the answer
+    #[command(flatten)]
+    engine: EngineFlags,
+    /// The H2O memory of every policy scored (L = H = 256 where left out) and the policy scored
+    /// when --policies is left out
+    #[command(flatten)]
+    h2o: H2oFlags,
     /// Tasks, comma-separated: passkey, number, word, multi-key, multi-value,
     /// variable-tracking, kv-lookup [default: all]
     #[arg(long, value_name = "TASK,..", value_delimiter = ',')]
@@ -36,16 +41,6 @@ pub struct EvalArgs {
     /// Seed of the generated prompts
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Logical batch
-    #[arg(
-        short = 'b',
-        long = "batch-size",
-        value_name = "N",
-        default_value_t = 4096
-    )]
-    batch_size: u32,
-    #[command(flatten)]
-    shape: crate::H2oShape,
     // (help as an attribute: rustdoc would read the brackets as links)
     #[arg(
         long,
@@ -55,9 +50,6 @@ pub struct EvalArgs {
                 POLICY[:SINK[:TAIL]] (the seed rule is h2o:0:0) [default: h2o:0:0 and the --h2o-* flags]"
     )]
     policies: Vec<String>,
-    /// CPU threads
-    #[arg(short = 't', long)]
-    threads: Option<u32>,
     /// Print one JSON record instead of the table
     #[arg(long)]
     json: bool,
@@ -66,12 +58,12 @@ pub struct EvalArgs {
     png_dir: Option<PathBuf>,
 }
 
-fn parse_policy(shape: &crate::H2oShape, spec: &str) -> Result<H2oConfig> {
+fn parse_policy(shape: &H2oConfig, spec: &str) -> Result<H2oConfig> {
     let parts: Vec<&str> = spec.split(':').collect();
     if parts.len() > 3 || parts[0].is_empty() {
         bail!("--policies {spec:?}: write a policy as POLICY[:SINK[:TAIL]], e.g. query:4:64");
     }
-    let mut h2o = shape.config();
+    let mut h2o = *shape;
     h2o.select = parts[0].parse()?;
     let n = |v: &str| {
         v.parse::<u32>()
@@ -97,15 +89,13 @@ fn contenders(args: &EvalArgs) -> Result<Vec<Contender>> {
         name: "full attention".into(),
         h2o: None,
     }];
+    let shape = args.h2o.compared()?;
     let specs: Vec<H2oConfig> = if args.policies.is_empty() {
-        vec![
-            H2oConfig::seed(args.shape.h2o_local, args.shape.h2o_heavy),
-            args.shape.config(),
-        ]
+        vec![H2oConfig::seed(shape.local, shape.heavy), shape]
     } else {
         args.policies
             .iter()
-            .map(|p| parse_policy(&args.shape, p))
+            .map(|p| parse_policy(&shape, p))
             .collect::<Result<_>>()?
     };
     for h2o in specs {
@@ -123,12 +113,17 @@ fn contenders(args: &EvalArgs) -> Result<Vec<Contender>> {
 /// The session every contender runs in, but for its H2O settings; each contender's is validated.
 fn base_config(args: &EvalArgs, contenders: &[Contender]) -> Result<SessionConfig> {
     let max_len = *args.lengths.iter().max().unwrap_or(&0);
+    args.engine.refuse(
+        "h2o-cli eval",
+        &[EngineFlag::CtxSize],
+        "each prompt's context is its --lengths and room for the answer",
+    )?;
+    // the batches are H2O's for every contender, so that all prefill with the same calls
     let base = SessionConfig {
         n_ctx: u32::try_from(max_len + ANSWER_ROOM).unwrap_or(u32::MAX),
-        n_batch: args.batch_size,
-        n_ubatch: args.shape.ubatch_size,
-        n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
-        ..SessionConfig::default()
+        n_batch: args.engine.batch_size(true),
+        n_ubatch: args.engine.ubatch_size(true),
+        ..args.engine.session_config(None)
     };
     for c in contenders {
         SessionConfig {
@@ -154,7 +149,12 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     if let Some(dir) = &args.png_dir {
         std::fs::create_dir_all(dir)?;
     }
-    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let model = crate::load_model(
+        args.engine.model.as_deref(),
+        args.engine.n_gpu_layers,
+        args.json,
+        &interrupt,
+    )?;
     // what the policies leave to the model (the sketch), chosen now so that the record names it
     let contenders: Vec<Contender> = contenders
         .into_iter()
@@ -201,7 +201,7 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         let report = eval::Report::new(
             model.path().display().to_string(),
             args.seed,
-            args.shape.ubatch_size,
+            args.engine.ubatch_size(true),
             &contenders,
             &prompts,
             &answers,
@@ -230,9 +230,16 @@ fn draw_heatmaps(
         let (ok, n) = eval::score(a, 0..prompts.len());
         let title = format!(
             "{}: {ok}/{n} answered (-ub {})",
-            c.name, args.shape.ubatch_size
+            c.name,
+            args.engine.ubatch_size(true)
         );
-        h2o_llama::chart::accuracy_heatmap(&file, &title, &args.depths, &args.lengths, &cells)?;
+        h2o_llama::research::chart::accuracy_heatmap(
+            &file,
+            &title,
+            &args.depths,
+            &args.lengths,
+            &cells,
+        )?;
         if !args.json {
             eprintln!("h2o-cli eval: heatmap written to {}", file.display());
         }

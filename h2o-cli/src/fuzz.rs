@@ -143,7 +143,7 @@ fn case(seed: u64) -> Vec<String> {
 /// Parses `args` as `main` does and, for a plain run, checks what `run` checks before loading a
 /// model. Clap's own errors (and `--help`) are answers, not findings; a panic is.
 fn exercise(args: &[String]) {
-    let expanded = h2o_llama::llama_flags::expand(args.iter().cloned(), LLAMA_FLAGS);
+    let expanded = h2o_flags::llama_spellings::expand(args.iter().cloned(), LLAMA_FLAGS);
     let Ok(cli) = Cli::try_parse_from(expanded) else {
         return;
     };

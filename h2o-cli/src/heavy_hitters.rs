@@ -1,5 +1,5 @@
 //! `h2o-cli heavy-hitters`: which tokens H2O keeps, and how stable that choice is. The study is
-//! `h2o_llama::heavy_hitters` (the method is described there); this command reads the prompt,
+//! `h2o_llama::research::heavy_hitters` (the method is described there); this command reads the prompt,
 //! prints the report as a table or JSON and, with `--png`, draws a map of the positions each
 //! head kept, shaded by how many chunks kept them.
 
@@ -9,7 +9,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use h2o_llama::heavy_hitters::{self, Progress, Report, StudyConfig};
+use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
+use h2o_llama::research::heavy_hitters::{self, Progress, Report, StudyConfig};
 use h2o_llama::{demo, Token};
 
 #[derive(clap::Args, Debug)]
@@ -20,14 +21,13 @@ pub struct HeavyHittersArgs {
     /// Use only the first N tokens of the prompt
     #[arg(short = 'n', long = "n-tokens", value_name = "N")]
     n_tokens: Option<usize>,
-    /// Model file (GGUF) [default: the default model]
-    #[arg(short = 'm', long, value_name = "FILE")]
-    model: Option<PathBuf>,
+    /// The model, the chunk size S (-ub) and the threads of the chunk-by-chunk run (-t); the
+    /// study sizes its context and batches itself
     #[command(flatten)]
-    shape: crate::H2oShape,
-    /// CPU threads of the chunk-by-chunk run
-    #[arg(short = 't', long, default_value_t = 2)]
-    threads: u32,
+    engine: EngineFlags,
+    /// The memory and policy studied (L = H = 256 where left out)
+    #[command(flatten)]
+    h2o: H2oFlags,
     /// CPU threads of the second, one-call run compared with the first
     #[arg(long, value_name = "N", default_value_t = 1)]
     vs_threads: u32,
@@ -49,10 +49,21 @@ struct Record<'a> {
 }
 
 pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
+    args.engine.refuse(
+        "h2o-cli heavy-hitters",
+        &[
+            EngineFlag::CtxSize,
+            EngineFlag::BatchSize,
+            EngineFlag::GpuLayers,
+            EngineFlag::FlashAttn,
+            EngineFlag::CacheTypes,
+        ],
+        "the study sizes its context and batches itself and runs on the CPU with llama.cpp's defaults",
+    )?;
     let cfg = StudyConfig {
-        h2o: args.shape.config(),
-        n_ubatch: args.shape.ubatch_size,
-        threads: args.threads,
+        h2o: args.h2o.compared()?,
+        n_ubatch: args.engine.ubatch_size(true),
+        threads: args.engine.threads(),
         vs_threads: args.vs_threads,
     };
     // bad -ub/L/H/-t fail here, before any download or model load
@@ -62,9 +73,9 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         None => demo::prompt(demo::DEFAULT_ENTRIES),
     };
     if let Some(png) = &args.png {
-        h2o_llama::chart::check_writable(png).context("--png")?;
+        h2o_llama::research::chart::check_writable(png).context("--png")?;
     }
-    let model = crate::load_model(args.model.as_deref(), 0, args.json, &interrupt)?;
+    let model = crate::load_model(args.engine.model.as_deref(), 0, args.json, &interrupt)?;
     let mut tokens: Vec<Token> = model.tokenize(&text, true, true)?;
     if let Some(n) = args.n_tokens {
         tokens.truncate(n);
@@ -99,9 +110,9 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             "heavy hitters kept, {} tokens, S={} L={} H={}: darker = kept by more of the {} memory sets",
             report.prompt_tokens, report.n_ubatch, report.h2o.local, report.h2o.heavy, report.sets_per_head
         );
-        h2o_llama::chart::selection_map(
+        h2o_llama::research::chart::selection_map(
             png,
-            &h2o_llama::chart::SelectionMap {
+            &h2o_llama::research::chart::SelectionMap {
                 title: &title,
                 layers: &kept.layers,
                 n_head: kept.n_head,

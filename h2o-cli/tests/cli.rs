@@ -7,9 +7,19 @@ mod common;
 
 use std::process::{Command, Output};
 
+/// h2o-cli with `args` on the default model and 2 threads; a subcommand, if any, goes first
+/// (every command takes the same engine flags).
 fn cli(args: &[&str]) -> Output {
     let model = common::model_path();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_h2o-cli"));
+    let subcommands = ["bench", "perplexity", "eval", "coverage", "heavy-hitters"];
+    let args = match args.split_first() {
+        Some((first, rest)) if subcommands.contains(first) => {
+            cmd.arg(first);
+            rest
+        }
+        _ => args,
+    };
     if !args.contains(&"-m") {
         cmd.arg("-m").arg(&model);
     }
@@ -130,6 +140,10 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             "--h2o-heavy must be between 0",
         ),
         (&["-p", ""], 3, "prompt is empty"),
+        // a command that sets a flag itself refuses it by name rather than ignoring it
+        (&["bench", "-c", "4096"], 3, "h2o-cli bench takes no -c"),
+        (&["eval", "-c", "4096"], 3, "h2o-cli eval takes no -c"),
+        (&["heavy-hitters", "-b", "512"], 3, "h2o-cli heavy-hitters takes no -b"),
         (&["-f", missing_prompt], 3, "cannot read prompt file"),
         (&["-f", latin1], 3, "not UTF-8"),
         (&["-m", not_gguf, "-p", "x"], 4, "not a GGUF"),
@@ -148,7 +162,7 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
                 "32",
             ],
             3,
-            "which the context -c 64 caps at 64 (-ub 512): raise -c",
+            "which the context -c 64 caps at 64 (-ub 1024): raise -c",
         ),
         (
             &["-m", "/nonexistent/model.gguf", "-p", "x"],

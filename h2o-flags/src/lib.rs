@@ -1,5 +1,8 @@
-//! The H2O flags that `h2o-cli` and `h2o-server` share: one clap definition, so that both front
-//! ends take the same names, defaults and help, and turn them into the same [`H2oConfig`].
+//! The flags that `h2o-cli`'s commands and `h2o-server` share, each declared once with one type
+//! and one default: the engine's ([`EngineFlags`]: `-m -c -b -ub -t -ngl -fa -ctk -ctv`), H2O's
+//! memory ([`H2oMemory`]) and policy ([`H2oPolicy`]), and llama.cpp's multi-letter spellings
+//! ([`llama_spellings`]). Both front ends turn them into the same [`SessionConfig`] and
+//! [`H2oConfig`].
 //!
 //! ```
 //! use clap::Parser;
@@ -7,14 +10,27 @@
 //! #[derive(Parser)]
 //! struct Cli {
 //!     #[command(flatten)]
+//!     engine: h2o_flags::EngineFlags,
+//!     #[command(flatten)]
 //!     h2o: h2o_flags::H2oFlags,
 //! }
 //!
 //! let cli = Cli::parse_from(["app", "--h2o-local", "256", "--h2o-heavy", "256"]);
 //! let h2o = cli.h2o.config().unwrap().expect("H2O on");
 //! assert_eq!((h2o.local, h2o.heavy), (256, 256));
-//! assert!(Cli::parse_from(["app"]).h2o.config().unwrap().is_none());
+//! let session = cli.engine.session_config(Some(h2o));
+//! assert_eq!((session.n_batch, session.n_ubatch), (4096, 1024));
+//! let cli = Cli::parse_from(["app"]);
+//! assert!(cli.h2o.config().unwrap().is_none());
+//! assert_eq!(cli.engine.session_config(None).n_ubatch, 512);
 //! ```
+//!
+//! [`SessionConfig`]: h2o_llama::SessionConfig
+
+mod engine;
+pub mod llama_spellings;
+
+pub use engine::{EngineFlag, EngineFlags};
 
 use clap::{Args, ValueEnum};
 use h2o_llama::{Error, H2oConfig, Selection};
@@ -39,7 +55,8 @@ impl DecodeMode {
 }
 
 /// How H2O chooses its memory and how generated tokens attend: every flag of [`H2oConfig`] but
-/// the memory's size. Defaults are the library's recommendation ([`H2oConfig::new`]).
+/// the memory's size and sinks ([`H2oMemory`]). Defaults are the library's recommendation
+/// ([`H2oConfig::new`]).
 #[derive(Args, Debug, Clone, Copy)]
 pub struct H2oPolicy {
     /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
@@ -48,10 +65,6 @@ pub struct H2oPolicy {
     /// its own memory from sampled queries; budgets shared by the heads where they cover most)
     #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
     pub select: Selection,
-    /// H2O: the first N positions always stay in memory (out of the heavy budget)
-    /// [default: 4, at most --h2o-heavy]
-    #[arg(long = "h2o-sink", value_name = "N")]
-    pub sink: Option<u32>,
     /// H2O: the last T tokens of a prompt attend to the whole prompt (a longer tail than the
     /// prompt covers all of it)
     #[arg(long = "h2o-dense-tail", value_name = "T", default_value_t = H2oConfig::RECOMMENDED_DENSE_TAIL)]
@@ -90,12 +103,11 @@ pub struct H2oPolicy {
 }
 
 impl H2oPolicy {
-    /// This policy with a memory of `local` recent and `heavy` chosen positions (not checked:
-    /// sessions check it when they are created).
+    /// This policy with a memory of `local` recent and `heavy` chosen positions and the
+    /// library's sinks (not checked: sessions check it when they are created).
     pub fn config(&self, local: u32, heavy: u32) -> H2oConfig {
         let mut h2o = H2oConfig::new(local, heavy);
         h2o.select = self.select;
-        h2o.sink = self.sink.unwrap_or(h2o.sink);
         h2o.dense_tail = self.dense_tail;
         h2o.coverage = self.coverage;
         h2o.tile_samples = self.tile_samples;
@@ -111,9 +123,6 @@ impl H2oPolicy {
     /// The flags that give this policy to another process that takes them.
     pub fn args(&self) -> Vec<String> {
         let mut a = vec!["--h2o-select".into(), self.select.to_string()];
-        if let Some(sink) = self.sink {
-            a.extend(["--h2o-sink".into(), sink.to_string()]);
-        }
         a.extend(["--h2o-dense-tail".into(), self.dense_tail.to_string()]);
         a.extend(["--h2o-coverage".into(), self.coverage.to_string()]);
         a.extend(["--h2o-tile-samples".into(), self.tile_samples.to_string()]);
@@ -128,50 +137,93 @@ impl H2oPolicy {
     }
 }
 
-/// The memory's size (`--h2o-local`, `--h2o-heavy`; both 0 leave H2O off, the default) and its
-/// [`H2oPolicy`].
-#[derive(Args, Debug, Clone, Copy)]
-pub struct H2oFlags {
-    /// H2O: recent tokens L kept from the previous chunk (0 with --h2o-heavy 0 = off)
+/// The memory's size and sinks: `--h2o-local`, `--h2o-heavy`, `--h2o-sink`.
+#[derive(Args, Debug, Clone, Copy, Default)]
+pub struct H2oMemory {
+    /// H2O: recent tokens L kept from the previous chunk [default: 0, and H2O is off while L = H
+    /// = 0; 256 in the commands that compare H2O with full attention]
     // Taken as signed so that a negative value gets a message naming the flag, not clap's
     // "unexpected argument '-5'".
-    #[arg(
-        long,
-        value_name = "L",
-        default_value_t = 0,
-        allow_negative_numbers = true
-    )]
-    pub h2o_local: i64,
-    /// H2O: heavy-hitter tokens H kept by the selection policy (--h2o-select)
-    #[arg(
-        long,
-        value_name = "H",
-        default_value_t = 0,
-        allow_negative_numbers = true
-    )]
-    pub h2o_heavy: i64,
+    #[arg(long = "h2o-local", value_name = "L", allow_negative_numbers = true)]
+    pub local: Option<i64>,
+    /// H2O: heavy-hitter tokens H kept by the selection policy (--h2o-select) [default: as
+    /// --h2o-local]
+    #[arg(long = "h2o-heavy", value_name = "H", allow_negative_numbers = true)]
+    pub heavy: Option<i64>,
+    /// H2O: the first N positions always stay in memory (out of the heavy budget)
+    /// [default: 4, at most --h2o-heavy]
+    #[arg(long = "h2o-sink", value_name = "N")]
+    pub sink: Option<u32>,
+}
+
+impl H2oMemory {
+    /// L and H in the commands that compare H2O with full attention, where left out.
+    pub const COMPARED: u32 = 256;
+
+    /// L and H, each `default` where left out; a count out of range is an
+    /// [`Error::InvalidConfig`] naming its flag.
+    pub fn local_heavy(&self, default: u32) -> Result<(u32, u32), Error> {
+        let count = |flag: &str, v: Option<i64>| match v {
+            None => Ok(default),
+            Some(v) => u32::try_from(v).map_err(|_| {
+                Error::InvalidConfig(format!(
+                    "{flag} must be between 0 and {}, got {v}",
+                    u32::MAX
+                ))
+            }),
+        };
+        Ok((
+            count("--h2o-local", self.local)?,
+            count("--h2o-heavy", self.heavy)?,
+        ))
+    }
+}
+
+/// H2O's flags: the memory ([`H2oMemory`]) and its policy ([`H2oPolicy`]).
+#[derive(Args, Debug, Clone, Copy)]
+pub struct H2oFlags {
+    #[command(flatten)]
+    pub memory: H2oMemory,
     #[command(flatten)]
     pub policy: H2oPolicy,
 }
 
 impl H2oFlags {
-    /// The H2O configuration the flags ask for, `None` when they leave H2O off. A count out of
-    /// range, or sparse decode without H2O, is an [`Error::InvalidConfig`] naming the flag.
+    /// This policy and the given sinks with a memory of `local` and `heavy` positions (not
+    /// checked: sessions check it when they are created).
+    pub fn with_memory(&self, local: u32, heavy: u32) -> H2oConfig {
+        let mut h2o = self.policy.config(local, heavy);
+        if let Some(sink) = self.memory.sink {
+            h2o.sink = sink;
+        }
+        h2o
+    }
+
+    /// The H2O configuration of a run (h2o-cli, h2o-server), `None` when the flags leave H2O
+    /// off (L = H = 0, their default). A count out of range, or sparse decode without H2O, is
+    /// an [`Error::InvalidConfig`] naming the flag.
     pub fn config(&self) -> Result<Option<H2oConfig>, Error> {
-        let count = |flag: &str, v: i64| {
-            u32::try_from(v).map_err(|_| {
-                Error::InvalidConfig(format!(
-                    "{flag} must be between 0 and {}, got {v}",
-                    u32::MAX
-                ))
-            })
-        };
-        let h2o = self.policy.config(
-            count("--h2o-local", self.h2o_local)?,
-            count("--h2o-heavy", self.h2o_heavy)?,
-        );
+        let (local, heavy) = self.memory.local_heavy(0)?;
+        let h2o = self.with_memory(local, heavy);
         h2o.check_decode_needs_h2o()?;
         Ok(h2o.is_enabled().then_some(h2o))
+    }
+
+    /// The H2O configuration of a command that compares H2O with full attention (bench,
+    /// perplexity, eval, the studies): L and H [`H2oMemory::COMPARED`] where left out.
+    pub fn compared(&self) -> Result<H2oConfig, Error> {
+        let (local, heavy) = self.memory.local_heavy(H2oMemory::COMPARED)?;
+        Ok(self.with_memory(local, heavy))
+    }
+
+    /// The flags that give `h2o` (the memory and this policy) to another process that takes
+    /// them.
+    pub fn args(&self, h2o: &H2oConfig) -> Vec<String> {
+        let mut a: Vec<String> = vec!["--h2o-local".into(), h2o.local.to_string()];
+        a.extend(["--h2o-heavy".into(), h2o.heavy.to_string()]);
+        a.extend(["--h2o-sink".into(), h2o.sink.to_string()]);
+        a.extend(self.policy.args());
+        a
     }
 }
 
@@ -247,12 +299,43 @@ mod tests {
     }
 
     #[test]
+    fn left_out_counts_are_off_for_a_run_and_256_for_a_comparison() {
+        let flags = parse(&["--h2o-local", "32", "--h2o-sink", "8"]);
+        let run = flags.config().unwrap().unwrap();
+        assert_eq!((run.local, run.heavy, run.sink), (32, 0, 8));
+        let compared = parse(&[]).compared().unwrap();
+        assert_eq!(compared, H2oConfig::new(256, 256));
+        let compared = flags.compared().unwrap();
+        assert_eq!(
+            (compared.local, compared.heavy, compared.sink),
+            (32, 256, 8)
+        );
+        let err = parse(&["--h2o-heavy", "-3"]).compared().unwrap_err();
+        assert!(err.to_string().contains("--h2o-heavy"), "{err}");
+    }
+
+    #[test]
+    fn args_give_the_same_memory_and_policy_to_another_process() {
+        let flags = parse(&[
+            "--h2o-sink",
+            "8",
+            "--h2o-select",
+            "query",
+            "--h2o-dense-tail",
+            "9",
+        ]);
+        let h2o = flags.compared().unwrap();
+        let again = Cli::try_parse_from(std::iter::once("app".to_string()).chain(flags.args(&h2o)))
+            .expect("args parse")
+            .h2o;
+        assert_eq!(again.config().unwrap(), Some(h2o));
+    }
+
+    #[test]
     fn args_give_the_same_policy_to_another_process() {
         let flags = parse(&[
             "--h2o-select",
             "coverage",
-            "--h2o-sink",
-            "8",
             "--h2o-coverage",
             "0.9",
             "--h2o-tile-samples",

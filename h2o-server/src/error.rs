@@ -8,6 +8,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
+pub use crate::engine::library_reason;
 use crate::engine::{JobError, SubmitError};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -155,15 +156,6 @@ impl From<SubmitError> for ApiError {
 }
 
 /// A failed job; `prompt_param` is the field that held the prompt (`messages` or `prompt`).
-/// What a library error says, without the "invalid configuration: " its `Display` puts before
-/// a bad setting's reason (the 400 names the field instead).
-pub fn library_reason(e: h2o_llama::Error) -> String {
-    match e {
-        h2o_llama::Error::InvalidConfig(m) => m,
-        other => other.to_string(),
-    }
-}
-
 pub fn job_error(e: &JobError, prompt_param: &str) -> ApiError {
     let message = e.to_string();
     match e {

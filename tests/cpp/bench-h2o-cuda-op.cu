@@ -2,7 +2,7 @@
 // build): a check of the tensor-core path against the first, F32 kernel that test-h2o-backends proved against
 // the CPU, a check of the memory-set build against the rule written out on the host, the same two for coverage
 // selection (both attention paths with each tile's memory; each tile's memory against the rule of
-// src/reference/tiles.rs written out on the host in double), and the time of one layer-chunk per kernel, for the
+// src/research/reference/tiles.rs written out on the host in double), and the time of one layer-chunk per kernel, for the
 // head shapes of the models we measure.
 //
 //   nvcc -std=c++17 -O3 -use_fast_math -arch=sm_90 -I<patched llama.cpp>/ggml/src/ggml-cuda \
@@ -486,7 +486,7 @@ void check_coverage_paths(const head_shape & sh, int S, int L, int H, int N, con
     CHECK(!same || max_rel <= 1.0/128, "%s: coverage: a score moved by %.4f relative with identical memory sets", sh.name, max_rel);
 }
 
-// the coverage rule on the host, in double (src/reference/tiles.rs): one unit's (head h, tile of rows [r0, r1) from t0)
+// the coverage rule on the host, in double (src/research/reference/tiles.rs): one unit's (head h, tile of rows [r0, r1) from t0)
 // ranked candidates and its estimate after 0 .. n_steps budget steps
 struct cov_unit {
     std::vector<int>    ranked;

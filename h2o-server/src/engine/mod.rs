@@ -6,8 +6,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use h2o_llama::{
-    CacheType, ChatMessage, FlashAttention, H2oConfig, Model, Selection, Token, TokenLogprobs,
+    ChatMessage, FlashAttention, H2oConfig, Model, Selection, SessionConfig, Token, TokenLogprobs,
 };
+
+/// What a library error says, without the "invalid configuration: " its `Display` puts before
+/// a bad setting's reason (the HTTP layer's 400 names the field instead).
+pub fn library_reason(e: h2o_llama::Error) -> String {
+    match e {
+        h2o_llama::Error::InvalidConfig(m) => m,
+        other => other.to_string(),
+    }
+}
 
 /// What the engine is started with (from the command line).
 #[derive(Debug, Clone)]
@@ -17,15 +26,10 @@ pub struct EngineConfig {
     /// model's training context per slot.
     pub n_ctx: u32,
     pub n_parallel: u32,
-    pub n_batch: u32,
-    pub n_ubatch: u32,
-    pub n_threads: u32,
-    pub flash_attn: FlashAttention,
-    /// KV cache types (`-ctk`, `-ctv`).
-    pub cache_type_k: CacheType,
-    pub cache_type_v: CacheType,
+    /// Every slot's session: batches, threads, flash attention, cache types and H2O (its
+    /// `n_ctx` is the slot's, which the engine derives from `n_ctx` above).
+    pub session: SessionConfig,
     pub n_gpu_layers: i32,
-    pub h2o: Option<H2oConfig>,
     /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
     pub queue_capacity: usize,
     /// `--chat-template`: one of llama.cpp's built-in templates by name, or a template's text,

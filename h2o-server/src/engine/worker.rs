@@ -16,7 +16,7 @@ use h2o_llama::{
 };
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::error::library_reason;
+use super::library_reason;
 use crate::jinja::{Jinja, JinjaMode};
 
 use super::{
@@ -202,16 +202,9 @@ fn run(
     };
     let session_config = SessionConfig {
         n_ctx: n_slot_ctx,
-        n_batch: config.n_batch,
-        n_ubatch: config.n_ubatch,
-        n_threads: config.n_threads,
-        flash_attn: config.flash_attn,
-        cache_type_k: config.cache_type_k,
-        cache_type_v: config.cache_type_v,
-        h2o: config.h2o,
         // a slot's next request cuts its sequence back to a chunk boundary inside the prompt
-        h2o_undo_log: config.h2o.is_some_and(|h| h.is_enabled()),
-        ..SessionConfig::default()
+        h2o_undo_log: config.session.h2o.is_some_and(|h| h.is_enabled()),
+        ..config.session.clone()
     };
     let session = if config.kv_unified {
         ParallelSession::with_unified_cache(model, session_config, config.n_parallel)

@@ -8,7 +8,7 @@ use std::time::Instant;
 use h2o_llama::{ChatMessage, H2oConfig, Model, Sampler, SamplerConfig, Token};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::error::library_reason;
+use crate::engine::library_reason;
 
 use super::super::{Event, Job, JobError, Metrics, Prompt, PromptPiece};
 use super::{Active, Engine, Phase};

