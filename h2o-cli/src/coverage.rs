@@ -87,7 +87,7 @@ pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     // bad parameters fail here, before any download or model load
     config.validate()?;
     let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(args.engine.model.as_deref(), 0, args.json, &interrupt)?;
+    let model = crate::load_model(&args.engine, args.json, &interrupt)?;
     let mut tokens: Vec<Token> = model.tokenize(&text, true, false)?;
     let n_tokens = match args.engine.ctx_size() {
         0 => model.n_ctx_train() as usize,

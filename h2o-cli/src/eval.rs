@@ -149,12 +149,7 @@ pub fn run(args: &EvalArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     if let Some(dir) = &args.png_dir {
         std::fs::create_dir_all(dir)?;
     }
-    let model = crate::load_model(
-        args.engine.model.as_deref(),
-        args.engine.n_gpu_layers,
-        args.json,
-        &interrupt,
-    )?;
+    let model = crate::load_model(&args.engine, args.json, &interrupt)?;
     // what the policies leave to the model (the sketch), chosen now so that the record names it
     let contenders: Vec<Contender> = contenders
         .into_iter()

@@ -75,7 +75,7 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
     if let Some(png) = &args.png {
         h2o_llama::research::chart::check_writable(png).context("--png")?;
     }
-    let model = crate::load_model(args.engine.model.as_deref(), 0, args.json, &interrupt)?;
+    let model = crate::load_model(&args.engine, args.json, &interrupt)?;
     let mut tokens: Vec<Token> = model.tokenize(&text, true, true)?;
     if let Some(n) = args.n_tokens {
         tokens.truncate(n);

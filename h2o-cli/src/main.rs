@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use h2o_flags::{llama_spellings, EngineFlags, H2oFlags};
 use h2o_llama::{
     default_model, demo, models, Error, ErrorKind, Generation, H2oConfig, H2oState, Integrity,
-    Model, ModelParams, PromptCache, Sampler, SamplerConfig, Session, SessionConfig,
+    Model, PromptCache, Sampler, SamplerConfig, Session, SessionConfig,
 };
 
 mod bench;
@@ -226,12 +226,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         return Err(Error::EmptyPrompt.into());
     }
 
-    let model = load_model(
-        cli.engine.model.as_deref(),
-        cli.engine.n_gpu_layers,
-        cli.json,
-        &interrupt,
-    )?;
+    let model = load_model(&cli.engine, cli.json, &interrupt)?;
     let mut session = Session::new(&model, config)?;
     session.set_interrupt_flag(interrupt);
     let prompt = match cli.synthetic_prompt {
@@ -550,22 +545,17 @@ fn read_text_file(f: &std::path::Path, what: &str) -> Result<String> {
     })
 }
 
-/// Loads `-m FILE` (or a known model's name: `-m gemma3-270m`), or the default model; known
-/// models are fetched on first use (`quiet` hides the messages).
-fn load_model(
-    path: Option<&std::path::Path>,
-    n_gpu_layers: i32,
-    quiet: bool,
-    interrupt: &AtomicBool,
-) -> Result<Model> {
+/// Loads `-m FILE` (or a known model's name: `-m gemma3-270m`), or the default model, with the
+/// engine's `-ngl`; known models are fetched on first use (`quiet` hides the messages).
+fn load_model(engine: &EngineFlags, quiet: bool, interrupt: &AtomicBool) -> Result<Model> {
     let log = |msg: &str| {
         if !quiet {
             eprintln!("h2o-cli: {msg}");
         }
     };
-    let path = match path {
+    let path = match &engine.model {
         Some(p) => models::resolve(p, log, interrupt)?,
         None => default_model::ensure_interruptible(log, interrupt)?,
     };
-    Ok(Model::load(&path, &ModelParams { n_gpu_layers })?)
+    Ok(Model::load(&path, &engine.model_params())?)
 }

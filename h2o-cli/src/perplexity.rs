@@ -204,12 +204,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         h2o_llama::research::chart::check_writable(png).context("--png")?;
     }
     let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(
-        args.engine.model.as_deref(),
-        args.engine.n_gpu_layers,
-        args.json,
-        &interrupt,
-    )?;
+    let model = crate::load_model(&args.engine, args.json, &interrupt)?;
     let base = session_config(args, Some(&model));
     // what the shapes leave to the model (the sketch), chosen now so that the record names it
     let shapes = distinct(shapes.iter().map(|shape| shape.for_model(&model)));
@@ -294,12 +289,7 @@ fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool
     }
     .validate()?;
     let text = crate::read_text_file(&args.file, "text file")?;
-    let model = crate::load_model(
-        args.engine.model.as_deref(),
-        args.engine.n_gpu_layers,
-        args.json,
-        &interrupt,
-    )?;
+    let model = crate::load_model(&args.engine, args.json, &interrupt)?;
     let base = SessionConfig {
         h2o,
         ..session_config(args, Some(&model))
