@@ -118,12 +118,9 @@ fn base_config(args: &EvalArgs, contenders: &[Contender]) -> Result<SessionConfi
         &[EngineFlag::CtxSize],
         "each prompt's context is its --lengths and room for the answer",
     )?;
-    // the batches are H2O's for every contender, so that all prefill with the same calls
     let base = SessionConfig {
         n_ctx: u32::try_from(max_len + ANSWER_ROOM).unwrap_or(u32::MAX),
-        n_batch: args.engine.batch_size(true),
-        n_ubatch: args.engine.ubatch_size(true),
-        ..args.engine.session_config(None)
+        ..args.engine.compared_session_config()
     };
     for c in contenders {
         SessionConfig {

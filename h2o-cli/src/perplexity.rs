@@ -144,9 +144,7 @@ struct Report {
 /// model takes where -c is left out. The batches are H2O's, so that full attention and H2O
 /// score with the same calls.
 fn session_config(args: &PerplexityArgs, model: Option<&Model>) -> SessionConfig {
-    let mut config = args.engine.session_config(None);
-    config.n_batch = args.engine.batch_size(true);
-    config.n_ubatch = args.engine.ubatch_size(true);
+    let mut config = args.engine.compared_session_config();
     if config.n_ctx == 0 {
         if let Some(model) = model {
             config.n_ctx = model.n_ctx_train();

@@ -115,6 +115,16 @@ impl EngineFlags {
         }
     }
 
+    /// The full-attention session of a command that compares H2O with full attention: H2O's
+    /// batches, so that both sides prefill with the same calls (the H2O side adds its config).
+    pub fn compared_session_config(&self) -> SessionConfig {
+        SessionConfig {
+            n_batch: self.batch_size(true),
+            n_ubatch: self.ubatch_size(true),
+            ..self.session_config(None)
+        }
+    }
+
     /// An error naming the first of `flags` given to `command`, which sets that itself or has
     /// no use for it (`why`), so that no flag is taken and then ignored.
     pub fn refuse(&self, command: &str, flags: &[EngineFlag], why: &str) -> Result<(), Error> {
@@ -177,6 +187,11 @@ mod tests {
         let flags = parse(&["-b", "256", "--ubatch-size", "128"]);
         assert_eq!(flags.ubatch_size(true), 128);
         assert_eq!(flags.session_config(None).n_ubatch, 128);
+        let compared = parse(&[]).compared_session_config();
+        assert_eq!(
+            (compared.n_batch, compared.n_ubatch, compared.h2o),
+            (4096, 1024, None)
+        );
     }
 
     #[test]
