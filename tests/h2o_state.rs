@@ -24,6 +24,7 @@ fn h2o_config(local: u32, heavy: u32) -> SessionConfig {
 
 #[test]
 fn h2o_session_allocates_empty_state_of_the_model_shape() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let s = Session::new(m, h2o_config(64, 96)).unwrap();
     let st = s.h2o_state().expect("H2O state");
@@ -56,6 +57,7 @@ fn h2o_session_allocates_empty_state_of_the_model_shape() {
 
 #[test]
 fn h2o_introspection_errors_are_typed() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let s = Session::new(m, h2o_config(32, 32)).unwrap();
     let kv = s.h2o_state().unwrap().kv_size;
@@ -105,6 +107,7 @@ fn h2o_introspection_errors_are_typed() {
 
 #[test]
 fn h2o_parameters_are_validated() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     for (local, heavy, needle) in [
         (128, 128, "must be smaller than the chunk size -ub 256"),
@@ -152,6 +155,7 @@ fn all_memory_sets(s: &Session<'_>) -> Vec<Vec<i32>> {
 
 #[test]
 fn prompt_within_one_chunk_matches_full_attention() {
+    let _engine = common::one_engine_at_a_time();
     // seed rule item 8: N <= S sees stock's key set, so its logits equal full attention's up to float
     // rounding. "Float rounding" is measured, not guessed: on this small Q4_1 model llama.cpp's own
     // two attention kernels (flash attention, which rounds Q and accumulates V in F16, and the
@@ -199,6 +203,7 @@ fn prompt_within_one_chunk_matches_full_attention() {
 
 #[test]
 fn multi_chunk_prefill_is_independent_of_the_split() {
+    let _engine = common::one_engine_at_a_time();
     // seed rule item 11: chunks follow positions, so one call, chunk-aligned calls and misaligned calls
     // give the same logits (up to float rounding) and the same memory sets
     let m = common::model();
@@ -250,6 +255,7 @@ fn multi_chunk_prefill_is_independent_of_the_split() {
 
 #[test]
 fn h2o_state_is_reset_between_prompts() {
+    let _engine = common::one_engine_at_a_time();
     // seed rule item 9: after reset, the same prompt gives the same logits and memory sets
     let m = common::model();
     let tokens = m
@@ -277,6 +283,7 @@ fn h2o_state_is_reset_between_prompts() {
 
 #[test]
 fn multi_turn_follows_the_documented_rule() {
+    let _engine = common::one_engine_at_a_time();
     // docs/architecture.md, "Prompt caches and multi-turn": decode neither reads nor writes scores; a later prompt attends to the
     // decoded tokens like any cached token of its chunk; a chunk completed by decode gets its
     // memory set when a prompt first needs it. The result is deterministic and the state valid.
@@ -372,6 +379,7 @@ fn assert_same_session(s: &Session<'_>, fresh: &Session<'_>, what: &str) {
 /// tail); and across two cuts in a row.
 #[test]
 fn truncate_continues_as_a_fresh_session_would() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let tokens = m
         .tokenize(&h2o_llama::demo::prompt(25), true, true)
@@ -487,6 +495,7 @@ fn truncate_continues_as_a_fresh_session_would() {
 /// session's that evaluates the whole prompt.
 #[test]
 fn evaluate_reusing_a_cached_prefix_equals_a_fresh_prefill() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let tokens = m
         .tokenize(&h2o_llama::demo::prompt(30), true, true)

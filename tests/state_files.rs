@@ -108,6 +108,7 @@ impl Bystander {
 
 #[test]
 fn a_damaged_state_file_is_never_loaded() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("state-flips");
     let path = dir.join("good.state");
     session_after(300).save_state(&path).unwrap();
@@ -157,6 +158,7 @@ fn a_damaged_state_file_is_never_loaded() {
 
 #[test]
 fn a_cut_state_file_is_refused_as_truncated() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("state-cuts");
     let path = dir.join("good.state");
     session_after(300).save_state(&path).unwrap();
@@ -183,6 +185,7 @@ fn a_cut_state_file_is_refused_as_truncated() {
 #[test]
 #[ignore = "a child process of the kill and disk-full tests"]
 fn state_file_child() {
+    let _engine = common::one_engine_at_a_time();
     let Ok(job) = std::env::var("H2O_STATE_CHILD") else {
         return;
     };
@@ -238,6 +241,7 @@ fn temporaries(dir: &Path) -> usize {
 
 #[test]
 fn a_save_killed_at_any_point_leaves_the_old_state_or_the_new_one() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("state-kills");
     let path = dir.join("state");
     // what each of the two states continues with
@@ -325,6 +329,7 @@ fn signal(pid: u32, sig: &str) {
 
 #[test]
 fn a_save_that_runs_out_of_room_fails_and_leaves_the_old_file() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("state-full");
     let path = dir.join("state");
     session_after(300).save_state(&path).unwrap();

@@ -32,6 +32,7 @@ fn stderr(o: &Output) -> String {
 
 #[test]
 fn generates_text_and_prints_a_summary() {
+    let _engine = common::one_engine_at_a_time();
     let o = cli(&["-p", "The capital of France is", "-n", "8", "--temp", "0"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8(o.stdout.clone()).unwrap();
@@ -50,6 +51,7 @@ fn generates_text_and_prints_a_summary() {
 
 #[test]
 fn json_record_describes_the_run_and_greedy_is_repeatable() {
+    let _engine = common::one_engine_at_a_time();
     let args = [
         "-p",
         "List three fruits:",
@@ -80,6 +82,7 @@ fn json_record_describes_the_run_and_greedy_is_repeatable() {
 
 #[test]
 fn demo_prompt_spans_several_chunks() {
+    let _engine = common::one_engine_at_a_time();
     let o = cli(&[
         "-n", "2", "--temp", "0", "-b", "4096", "-ub", "1024", "--json",
     ]);
@@ -90,6 +93,7 @@ fn demo_prompt_spans_several_chunks() {
 
 #[test]
 fn bad_input_gives_a_clear_error_and_exit_code() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("cli-bad");
     let latin1 = dir.join("latin1.txt");
     std::fs::write(&latin1, b"caf\xe9 au lait").unwrap();
@@ -358,6 +362,7 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
 /// that fits the rounded context runs, in batches no larger than the cap.
 #[test]
 fn a_context_smaller_than_the_batch_caps_the_batch() {
+    let _engine = common::one_engine_at_a_time();
     let prompt = "the quick brown fox jumps over the lazy dog ".repeat(20); // ~180 tokens
     for extra in [
         &[][..],
@@ -374,6 +379,7 @@ fn a_context_smaller_than_the_batch_caps_the_batch() {
 
 #[test]
 fn h2o_prefill_runs_end_to_end() {
+    let _engine = common::one_engine_at_a_time();
     // 600-token demo prompt in chunks of 256: chunks 1 and 2 attend to a memory of 64 + 64 tokens
     let o = cli(&[
         "-p",
@@ -412,6 +418,7 @@ fn h2o_prefill_runs_end_to_end() {
 
 #[test]
 fn prompt_cache_continues_exactly_as_a_fresh_run() {
+    let _engine = common::one_engine_at_a_time();
     // The case that used to differ: the default policy with its dense tail, a first prompt that
     // ends inside a chunk, then a longer prompt beginning with it. The cache holds the first
     // prompt up to the chunk boundary before its dense tail, and the longer prompt's text and
@@ -548,6 +555,7 @@ fn prompt_cache_continues_exactly_as_a_fresh_run() {
 
 #[test]
 fn the_engine_counts_sparse_chunks_and_dense_tail_tokens() {
+    let _engine = common::one_engine_at_a_time();
     let run = |tail: &str| {
         let o = cli(&[
             "-p",
@@ -593,6 +601,7 @@ fn the_engine_counts_sparse_chunks_and_dense_tail_tokens() {
 
 #[test]
 fn bench_measures_both_engines_and_reports_the_ratio() {
+    let _engine = common::one_engine_at_a_time();
     let model = common::model_path();
     let bench = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
@@ -657,6 +666,7 @@ fn assert_png(path: &std::path::Path, width: u32, height: u32) {
 
 #[test]
 fn heavy_hitters_reports_selections_and_their_stability() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("heavy-hitters");
     let png = dir.join("map.png");
     let o = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
@@ -721,6 +731,7 @@ fn heavy_hitters_reports_selections_and_their_stability() {
 /// the same budget), budgets that follow coverage keep the average, and estimators report a cost.
 #[test]
 fn coverage_study_orders_the_oracles_and_keeps_the_average_budget() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("coverage");
     let text = dir.join("text.txt");
     std::fs::write(&text, h2o_llama::demo::prompt(30)).unwrap();
@@ -777,6 +788,7 @@ fn coverage_study_orders_the_oracles_and_keeps_the_average_budget() {
 
 #[test]
 fn perplexity_scores_h2o_against_full_attention() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("perplexity");
     let text_file = dir.join("ledger.txt");
     let text = h2o_llama::demo::prompt(40);
@@ -919,6 +931,7 @@ fn perplexity_scores_h2o_against_full_attention() {
 /// the process ends soon after the signal, with exit code 130 and a one-line message.
 #[test]
 fn ctrl_c_stops_a_long_prefill_promptly() {
+    let _engine = common::one_engine_at_a_time();
     use std::io::BufRead;
     use std::time::{Duration, Instant};
     let mut child = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
@@ -994,6 +1007,7 @@ fn ctrl_c_stops_a_long_prefill_promptly() {
 /// as a JSON record and one heatmap per contender.
 #[test]
 fn eval_scores_full_attention_and_each_policy_on_the_same_prompts() {
+    let _engine = common::one_engine_at_a_time();
     let dir = common::scratch("eval");
     let o = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
         .arg("eval")

@@ -14,6 +14,7 @@ use common::*;
 
 #[test]
 fn a_streamed_chat_reads_as_an_openai_client_reads_it() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let request = json!({
         "model": "whatever", "messages": user(&format!("{}\nHow many ships were counted?", long_text(300))),
@@ -92,6 +93,7 @@ fn a_streamed_chat_reads_as_an_openai_client_reads_it() {
 
 #[test]
 fn chat_completions_and_completion_answer_in_their_shapes() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let (status, chat) = post(
         &server,
@@ -270,6 +272,7 @@ fn chat_completions_and_completion_answer_in_their_shapes() {
 
 #[test]
 fn models_health_and_metrics_describe_the_server() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let models = get_json(&server, "/v1/models");
     assert_eq!(models["object"], "list");
@@ -316,6 +319,7 @@ fn models_health_and_metrics_describe_the_server() {
 
 #[test]
 fn four_concurrent_greedy_requests_say_what_they_say_one_by_one() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let requests: Vec<Value> = [
         ("Name three colours.", 0),
@@ -352,6 +356,7 @@ type BadCase<'a> = (&'a str, Vec<u8>, u16, &'a str, Option<&'a str>);
 
 #[test]
 fn bad_input_gets_openai_errors_and_the_server_carries_on() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(&[SHAPE, &["--max-body", "65536"]].concat());
     let chat = "/v1/chat/completions";
     let ok_messages = user("Hi");
@@ -750,6 +755,7 @@ fn bad_input_gets_openai_errors_and_the_server_carries_on() {
 
 #[test]
 fn an_api_key_is_required_except_for_health_and_models_and_sigterm_exits_0() {
+    let _engine = common::one_engine_at_a_time();
     let mut server = Server::start(&[SHAPE, &["--api-key", "s3cret"]].concat());
     let body = json!({"messages": user("Hi"), "max_tokens": 4});
     for auth in [
@@ -811,6 +817,7 @@ fn an_api_key_is_required_except_for_health_and_models_and_sigterm_exits_0() {
 
 #[test]
 fn sigterm_during_a_stream_ends_it_and_exits_0() {
+    let _engine = common::one_engine_at_a_time();
     let mut server = Server::start(SHAPE);
     let r = client()
         .post(server.url("/v1/chat/completions"))
@@ -833,6 +840,7 @@ fn sigterm_during_a_stream_ends_it_and_exits_0() {
 
 #[test]
 fn a_client_leaving_mid_stream_frees_its_slot() {
+    let _engine = common::one_engine_at_a_time();
     // one slot: the next request completes only if the abandoned one let go of it
     let server = Server::start(&[
         "-c",
@@ -884,6 +892,7 @@ fn a_client_leaving_mid_stream_frees_its_slot() {
 
 #[test]
 fn a_client_leaving_during_a_long_prompt_call_stops_it_inside_llama_decode() {
+    let _engine = common::one_engine_at_a_time();
     // one slot, and the whole prompt in one call (-b = -c): only an abort inside llama_decode
     // frees the slot before that call ends
     let server = Server::start(&[
@@ -939,6 +948,7 @@ fn a_client_leaving_during_a_long_prompt_call_stops_it_inside_llama_decode() {
 
 #[test]
 fn a_full_queue_answers_503_with_retry_after() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(&[
         "-c",
         "2048",
@@ -1049,6 +1059,7 @@ fn a_full_queue_answers_503_with_retry_after() {
 /// Flag errors need no model: they are caught before the download and the model load.
 #[test]
 fn bad_flags_exit_with_a_message_naming_the_flag() {
+    let _engine = common::one_engine_at_a_time();
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
     let cases: Vec<(Vec<&str>, i32, &str)> = vec![

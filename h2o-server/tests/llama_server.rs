@@ -42,6 +42,7 @@ fn refused_at_start(args: &[&str], flag: &str) {
 
 #[test]
 fn logit_bias_grammar_and_json_output_change_what_is_sampled() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let prompt = json!({"prompt": "The capital of France is"});
     let (text, banned) = first_token(&server, &prompt);
@@ -114,6 +115,7 @@ fn logit_bias_grammar_and_json_output_change_what_is_sampled() {
 
 #[test]
 fn logprobs_agree_with_the_models_logits() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let prompt = "Once upon a time";
     let (status, v) = post(
@@ -193,6 +195,7 @@ fn logprobs_agree_with_the_models_logits() {
 
 #[test]
 fn completion_takes_token_prompts_and_reports_llama_servers_fields() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let text = "I believe the meaning of life is";
     let (_, t) = post(
@@ -277,6 +280,7 @@ fn completion_takes_token_prompts_and_reports_llama_servers_fields() {
 
 #[test]
 fn slots_show_a_busy_slots_h2o_state_and_cors_and_templates_answer() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let slots = get_json(&server, "/slots");
     assert_eq!(slots.as_array().unwrap().len(), 4);
@@ -382,6 +386,7 @@ fn slots_show_a_busy_slots_h2o_state_and_cors_and_templates_answer() {
 
 #[test]
 fn a_saved_slot_restored_elsewhere_continues_its_conversation() {
+    let _engine = common::one_engine_at_a_time();
     let dir = std::env::temp_dir().join(format!("h2o-slots-{}", std::process::id()));
     let server = Server::start(&[SHAPE, &["--slot-save-path", dir.to_str().unwrap()]].concat());
     let first = format!("{}What did the harbour master count?", long_text(300));
@@ -458,6 +463,7 @@ fn a_saved_slot_restored_elsewhere_continues_its_conversation() {
 
 #[test]
 fn n_choices_come_back_together() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let (status, v) = post(
         &server,
@@ -501,6 +507,7 @@ fn n_choices_come_back_together() {
 
 #[test]
 fn context_shift_lets_a_generation_go_past_its_slot() {
+    let _engine = common::one_engine_at_a_time();
     // a slot of 256 tokens, a prompt of about 200: 96 more tokens need a shift
     let args = ["-c", "256", "-np", "1", "--context-shift"];
     let server = Server::start(&args);
@@ -542,6 +549,7 @@ fn context_shift_lets_a_generation_go_past_its_slot() {
 
 #[test]
 fn post_sampling_probs_and_json_prompts_follow_llama_server() {
+    let _engine = common::one_engine_at_a_time();
     let server = Server::start(SHAPE);
     let text = "I believe the meaning of life is";
     // greedy: the distribution the draw saw has the chosen token alone, at 1; the rest follow
@@ -624,6 +632,7 @@ fn post_sampling_probs_and_json_prompts_follow_llama_server() {
 
 #[test]
 fn a_unified_cache_lets_one_slot_use_what_the_others_leave() {
+    let _engine = common::one_engine_at_a_time();
     // 4 slots sharing 512 cells: a request of 300 tokens fits, which 512 / 4 would not
     let server = Server::start(&["-c", "512", "-np", "4", "--kv-unified", "-v"]);
     let greedy = |prompt: String| {
@@ -670,6 +679,7 @@ fn a_unified_cache_lets_one_slot_use_what_the_others_leave() {
 
 #[test]
 fn sparse_decode_reads_fewer_keys_and_says_how_many() {
+    let _engine = common::one_engine_at_a_time();
     // slots of 1024 tokens; a step reads the first block, the last 16 positions and 64 chosen
     // (or a request's own budget)
     let mut args = SHAPE.to_vec();

@@ -56,6 +56,7 @@ fn openai_pythonpath() -> String {
 
 #[test]
 fn openais_python_client_gets_what_it_expects() {
+    let _engine = common::one_engine_at_a_time();
     let pythonpath = openai_pythonpath();
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let template = manifest.join("../examples/templates/chatml-tools.jinja");

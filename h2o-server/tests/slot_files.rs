@@ -62,6 +62,7 @@ fn temporaries(dir: &Path) -> usize {
 
 #[test]
 fn damaged_and_cut_slot_files_are_refused_and_the_slot_is_unchanged() {
+    let _engine = common::one_engine_at_a_time();
     let dir = slot_dir("damaged");
     let server = Server::start(&[SHAPE, &["--slot-save-path", dir.to_str().unwrap()]].concat());
     fill(&server, 0, 300);
@@ -105,6 +106,7 @@ fn damaged_and_cut_slot_files_are_refused_and_the_slot_is_unchanged() {
 
 #[test]
 fn a_server_killed_while_it_saves_leaves_the_old_slot_file_or_the_new_one() {
+    let _engine = common::one_engine_at_a_time();
     let dir = slot_dir("killed");
     let args = [SHAPE, &["--slot-save-path", dir.to_str().unwrap()]].concat();
     let mut seen = std::collections::BTreeMap::<u64, usize>::new();
@@ -154,6 +156,7 @@ fn a_server_killed_while_it_saves_leaves_the_old_slot_file_or_the_new_one() {
 
 #[test]
 fn a_slot_save_that_runs_out_of_room_fails_and_leaves_the_old_file() {
+    let _engine = common::one_engine_at_a_time();
     let dir = slot_dir("full");
     let args = [SHAPE, &["--slot-save-path", dir.to_str().unwrap()]].concat();
     // the size a short conversation's file takes, measured without a limit

@@ -51,6 +51,7 @@ fn weather_request(stream: bool) -> Value {
 
 #[test]
 fn a_tool_call_comes_back_whole_and_streamed_in_openais_shapes() {
+    let _engine = common::one_engine_at_a_time();
     let server = with_template(&[]);
     // /props shows the template and what it supports, as llama-server's
     let props = get_json(&server, "/props");
@@ -163,6 +164,7 @@ fn a_tool_call_comes_back_whole_and_streamed_in_openais_shapes() {
 
 #[test]
 fn tools_the_template_cannot_carry_and_bad_tool_fields_are_400() {
+    let _engine = common::one_engine_at_a_time();
     // the model's own template (SmolLM2's ChatML) has no tool calls
     let server = Server::start(SHAPE);
     let props = get_json(&server, "/props");
@@ -221,6 +223,7 @@ fn tools_the_template_cannot_carry_and_bad_tool_fields_are_400() {
 
 #[test]
 fn with_jinja_plain_chats_render_as_the_built_in_template_does() {
+    let _engine = common::one_engine_at_a_time();
     let messages = json!([
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the capital of France?"},

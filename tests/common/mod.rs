@@ -7,7 +7,7 @@ pub mod gguf;
 pub mod tiny_models;
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use h2o_llama::{Model, ModelParams, Session};
 
@@ -46,6 +46,19 @@ pub fn gemma() -> &'static Model {
     MODEL.get_or_init(|| {
         Model::load(gemma_path(), &ModelParams::default()).expect("Gemma 3 270M loads")
     })
+}
+
+/// Held by a test while its engine runs, so that a binary's tests run their engines one after
+/// another. Each engine uses every core, and ggml's threads spin at the graph's barriers: two
+/// engines side by side on the 2-core CI machine take longer than the same two in turn (the
+/// h2o-cli tests: 223 s side by side, 149 s in turn). Tests that mostly compute in Rust (the
+/// f64 references) do not take it, and keep running beside each other.
+pub fn one_engine_at_a_time() -> MutexGuard<'static, ()> {
+    static ENGINE: Mutex<()> = Mutex::new(());
+    // a test that failed while holding it leaves nothing to protect
+    ENGINE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// A scratch directory unique to this test process and name.
