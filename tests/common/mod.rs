@@ -50,9 +50,10 @@ pub fn gemma() -> &'static Model {
 
 /// Held by a test while its engine runs, so that a binary's tests run their engines one after
 /// another. Each engine uses every core, and ggml's threads spin at the graph's barriers: two
-/// engines side by side on the 2-core CI machine take longer than the same two in turn (the
-/// h2o-cli tests: 223 s side by side, 149 s in turn). Tests that mostly compute in Rust (the
-/// f64 references) do not take it, and keep running beside each other.
+/// engines side by side on the 2-core CI machine take longer than the same two in turn (fresh
+/// clone: h2o-cli's tests 223 s side by side, 134 s in turn; h2o-server's, whose tests take it
+/// too, 372 s and 137 s). Tests that mostly compute in Rust (the f64 references) do not take
+/// it, and keep running beside each other.
 pub fn one_engine_at_a_time() -> MutexGuard<'static, ()> {
     static ENGINE: Mutex<()> = Mutex::new(());
     // a test that failed while holding it leaves nothing to protect

@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use reqwest::blocking::{Client, Response};
@@ -31,17 +31,10 @@ pub const SHAPE: &[&str] = &[
 ];
 pub const SLOT_CTX: usize = 1024;
 
-/// Held by a test while its servers run, so that a binary's tests run one after another. Each
-/// server's engine uses every core, and ggml's threads spin at the graph's barriers: servers of
-/// two tests side by side on the 2-core CI machine take several times as long as in turn (these
-/// binaries: 372 s side by side, 131 s in turn).
-pub fn one_engine_at_a_time() -> MutexGuard<'static, ()> {
-    static ENGINE: Mutex<()> = Mutex::new(());
-    // a test that failed while holding it leaves nothing to protect
-    ENGINE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+// The library's test helpers, for the lock that runs a binary's engines one at a time.
+#[path = "../../../tests/common/mod.rs"]
+mod library;
+pub use library::one_engine_at_a_time;
 
 /// Path of the verified default model (fetched with pip on first use, as the library's tests).
 pub fn model_path() -> String {
