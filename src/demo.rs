@@ -1,6 +1,7 @@
 //! The built-in demo prompt: a synthetic warehouse ledger followed by a question about an early
-//! entry. It is long enough to span several H2O chunks at `-ub 1024`, and answering it needs a
-//! token from far back — the case where keeping the right memory matters.
+//! entry. It is long enough for H2O to turn on by itself and to span several chunks at `-ub
+//! 1024`, and answering it needs a token from far back — the case where keeping the right
+//! memory matters.
 //!
 //! The text is generated deterministically by [`prompt`] (a small linear congruential
 //! generator), so every run and every machine sees the same prompt.
@@ -91,9 +92,10 @@ pub fn prompt_tokens(model: &crate::Model, n_tokens: usize) -> crate::Result<Vec
     }
 }
 
-/// Ledger entries in the CLI's demo prompt: about 2,950 tokens with the default model's
-/// tokenizer, i.e. three chunks at `-ub 1024`.
-pub const DEFAULT_ENTRIES: usize = 100;
+/// Ledger entries in the CLI's demo prompt: about 4,700 tokens with the default model's
+/// tokenizer, five chunks at `-ub 1024`: long enough for H2O to turn on by itself
+/// ([`crate::H2oConfig::AUTO_FROM_TOKENS`]).
+pub const DEFAULT_ENTRIES: usize = 160;
 
 #[cfg(test)]
 mod tests {

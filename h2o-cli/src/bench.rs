@@ -198,6 +198,9 @@ fn measure(
         .args(["-n", "0", "--temp", "0", "--json"]);
     if run.engine == Engine::H2o {
         cmd.args(args.h2o.args(h2o));
+    } else if args.stock_cli.is_none() {
+        // this build's full attention: a long prompt would otherwise turn H2O on by itself
+        cmd.args(["--h2o", "off"]);
     }
     let out = cmd
         .output()

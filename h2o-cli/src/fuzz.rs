@@ -1,7 +1,8 @@
 //! Fuzzing of h2o-cli's command line: random argument lists, built from every flag of every
 //! command with values valid and not (numbers out of range, negative, huge, empty, not numbers,
 //! unknown policies and cache types, flags repeated or missing their value), go through the
-//! parsing `main` does and the checks that run before a model loads (`session_config`,
+//! parsing `main` does and the checks that run before a model loads and once the prompt's
+//! length is known (`session_config`,
 //! `SessionConfig::validate`, the sampler). Each must end in a parsed command line or a clear
 //! error, never a panic.
 //!
@@ -148,8 +149,12 @@ fn exercise(args: &[String]) {
         return;
     };
     if cli.command.is_none() {
-        if let Ok(config) = session_config(&cli) {
-            let _ = config.validate();
+        // before the prompt is known, and for a prompt long enough for H2O to turn on by itself
+        let long = h2o_llama::H2oConfig::AUTO_FROM_TOKENS as usize;
+        for n_prompt in [None, Some(long)] {
+            if let Ok(config) = session_config(&cli, n_prompt) {
+                let _ = config.validate();
+            }
         }
         let _ = h2o_llama::Sampler::new(&sampler_config(&cli));
     }

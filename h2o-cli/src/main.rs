@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use h2o_flags::{llama_spellings, EngineFlags, H2oFlags};
+use h2o_flags::{llama_spellings, EngineFlags, H2oChoice, H2oFlags};
 use h2o_llama::{
     default_model, demo, models, Error, ErrorKind, Generation, H2oConfig, H2oState, Integrity,
     Model, PromptCache, Sampler, SamplerConfig, Session, SessionConfig,
@@ -218,17 +218,14 @@ fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
 
 fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     h2o_llama::set_log_echo(cli.verbose);
-    let config = session_config(cli)?;
-    // Fail on bad parameters before any download or model load.
-    config.validate()?;
+    // Fail on bad parameters before any download or model load
+    session_config(cli, None)?.validate()?;
     let (prompt_text, prompt_source) = read_prompt(cli)?;
     if prompt_text.trim().is_empty() {
         return Err(Error::EmptyPrompt.into());
     }
 
     let model = load_model(&cli.engine, cli.json, &interrupt)?;
-    let mut session = Session::new(&model, config)?;
-    session.set_interrupt_flag(interrupt);
     let prompt = match cli.synthetic_prompt {
         Some(n) => demo::prompt_tokens(&model, n)?,
         None => model.tokenize(&prompt_text, true, true)?,
@@ -236,9 +233,18 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt.into());
     }
+    let config = session_config(cli, Some(prompt.len()))?;
+    let mut session = Session::new(&model, config)?;
+    session.set_interrupt_flag(interrupt);
     let mut sampler = Sampler::new(&sampler_config(cli))?;
     if !cli.json {
         print_header(&model, &session, &prompt_text, prompt_source, prompt.len());
+        if let H2oChoice::Auto { .. } = cli.h2o.choice()? {
+            eprintln!(
+                "h2o-cli: {}",
+                auto_note(session.config().h2o.is_some(), prompt.len())
+            );
+        }
     }
     let cached = match &cli.prompt_cache {
         Some(path) => use_prompt_cache(&mut session, path, &prompt, cli.json)?,
@@ -249,9 +255,44 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     report(cli, &model, &session, &generation, cached, before)
 }
 
-/// The session the flags describe.
-fn session_config(cli: &Cli) -> Result<SessionConfig> {
-    Ok(cli.engine.session_config(cli.h2o.config()?))
+/// The session the flags give a prompt of `n_prompt` tokens; before the prompt is known
+/// (`None`), the flags' own, without the H2O a long prompt would turn on by itself. Where H2O
+/// turns on by itself, a flag it does not fit is an error naming `--h2o off`.
+fn session_config(cli: &Cli, n_prompt: Option<usize>) -> Result<SessionConfig> {
+    let choice = cli.h2o.choice()?;
+    let h2o = match (choice, n_prompt) {
+        (H2oChoice::Auto { .. }, None) => None,
+        (_, None) => choice.h2o(),
+        (_, Some(n)) => choice.for_prompt(n)?,
+    };
+    let config = cli.engine.session_config(h2o);
+    if let (H2oChoice::Auto { .. }, Some(n), Some(_)) = (choice, n_prompt, h2o) {
+        config.validate().map_err(|e| match e {
+            Error::InvalidConfig(msg) => Error::InvalidConfig(format!(
+                "{msg}; H2O turns on by itself for prompts of {} tokens or more (this one has \
+                 {n}): give flags it fits, or --h2o off for full attention",
+                H2oConfig::AUTO_FROM_TOKENS
+            )),
+            e => e,
+        })?;
+    }
+    Ok(config)
+}
+
+/// Why a run left to decide (`--h2o auto`) uses H2O or not.
+fn auto_note(on: bool, n_prompt: usize) -> String {
+    let from = H2oConfig::AUTO_FROM_TOKENS;
+    if on {
+        format!(
+            "H2O on by itself: the prompt has {n_prompt} tokens, {from} or more (--h2o off for \
+             full attention)"
+        )
+    } else {
+        format!(
+            "full attention: the prompt has {n_prompt} tokens, H2O turns on by itself from {from} \
+             (--h2o on to use it anyway)"
+        )
+    }
 }
 
 fn sampler_config(cli: &Cli) -> SamplerConfig {
@@ -287,7 +328,16 @@ fn print_header(
         config.n_batch,
         config.n_ubatch,
         match config.h2o {
-            Some(h2o) => format!("H2O L={} H={}", h2o.local, h2o.heavy),
+            Some(h2o) => format!(
+                "H2O L={} H={} {}, {}",
+                h2o.local,
+                h2o.heavy,
+                h2o.policy_label(),
+                match h2o.decode_budget {
+                    0 => "full decode".to_string(),
+                    n => format!("sparse decode of {n}"),
+                }
+            ),
             None => "full attention".into(),
         }
     );

@@ -81,14 +81,55 @@ fn json_record_describes_the_run_and_greedy_is_repeatable() {
 }
 
 #[test]
-fn demo_prompt_spans_several_chunks() {
+fn the_demo_prompt_turns_h2o_on_by_itself() {
     let _engine = common::one_engine_at_a_time();
-    let o = cli(&[
-        "-n", "2", "--temp", "0", "-b", "4096", "-ub", "1024", "--json",
-    ]);
+    // no H2O flags: the demo prompt is long enough for the recommended configuration
+    let o = cli(&["-n", "2", "--temp", "0", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(v["chunks"].as_u64().unwrap() >= 3, "{v}");
+    let auto = u64::from(h2o_llama::H2oConfig::AUTO_FROM_TOKENS);
+    assert!(v["prompt_tokens"].as_u64().unwrap() >= auto, "{v}");
+    let h2o = &v["h2o"];
+    assert_eq!(
+        (
+            &h2o["local"],
+            &h2o["heavy"],
+            &h2o["select"],
+            &h2o["decode_budget"]
+        ),
+        (&256.into(), &256.into(), &"coverage".into(), &1024.into()),
+        "{v}"
+    );
+    assert_eq!(
+        (&v["n_batch"], &v["n_ubatch"]),
+        (&4096.into(), &1024.into())
+    );
+    // every chunk after the first attended to a memory, and decode read a subset of the cache
+    let chunks = v["chunks"].as_u64().unwrap();
+    assert!(chunks >= 5, "{v}");
+    assert_eq!(v["sparse_chunks"].as_u64().unwrap(), chunks - 1, "{v}");
+    assert!(v["decode_keys_per_step"].as_f64().unwrap() < 2000.0, "{v}");
+}
+
+#[test]
+fn h2o_on_and_off_override_the_prompts_length() {
+    let _engine = common::one_engine_at_a_time();
+    // a short prompt: full attention unless --h2o on
+    for (args, on) in [(&[][..], false), (&["--h2o", "on"][..], true)] {
+        let mut a = vec!["-p", "Hello there", "-n", "1", "--temp", "0", "--json"];
+        a.extend_from_slice(args);
+        let o = cli(&a);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(!v["h2o"].is_null(), on, "{args:?}: {v}");
+    }
+    // without --json the summary says why
+    let o = cli(&["-p", "Hello there", "-n", "1", "--temp", "0"]);
+    assert!(
+        stderr(&o).contains("full attention: the prompt has"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -144,6 +185,14 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             "--h2o-heavy must be between 0",
         ),
         (&["-p", ""], 3, "prompt is empty"),
+        (
+            &["-p", "x", "--h2o", "off", "--h2o-local", "8"],
+            3,
+            "--h2o off is full attention",
+        ),
+        // the demo prompt turns H2O on, whose L + H = 512 do not fit chunks of 512
+        (&["-ub", "512", "-n", "0"], 3, "or --h2o off for full attention"),
+        (&["bench", "--h2o", "off"], 3, "leave out --h2o"),
         // a command that sets a flag itself refuses it by name rather than ignoring it
         (&["bench", "-c", "4096"], 3, "h2o-cli bench takes no -c"),
         (&["eval", "-c", "4096"], 3, "h2o-cli eval takes no -c"),
@@ -1045,7 +1094,7 @@ fn eval_scores_full_attention_and_each_policy_on_the_same_prompts() {
         [
             "full attention",
             "h2o sink 0 tail 0",
-            "hybrid sink 4 tail 64"
+            "coverage sink 4 tail 64"
         ]
     );
     let prompts = r["prompts"].as_array().unwrap();

@@ -16,12 +16,15 @@
 //! }
 //!
 //! let cli = Cli::parse_from(["app", "--h2o-local", "256", "--h2o-heavy", "256"]);
-//! let h2o = cli.h2o.config().unwrap().expect("H2O on");
+//! let h2o = cli.h2o.choice().unwrap().for_prompt(100).unwrap().expect("H2O on");
 //! assert_eq!((h2o.local, h2o.heavy), (256, 256));
 //! let session = cli.engine.session_config(Some(h2o));
 //! assert_eq!((session.n_batch, session.n_ubatch), (4096, 1024));
+//! // left to decide: H2O for long prompts only
 //! let cli = Cli::parse_from(["app"]);
-//! assert!(cli.h2o.config().unwrap().is_none());
+//! let choice = cli.h2o.choice().unwrap();
+//! assert!(choice.for_prompt(100).unwrap().is_none());
+//! assert!(choice.for_prompt(h2o_llama::H2oConfig::AUTO_FROM_TOKENS as usize).unwrap().is_some());
 //! assert_eq!(cli.engine.session_config(None).n_ubatch, 512);
 //! ```
 //!
@@ -34,6 +37,30 @@ pub use engine::{EngineFlag, EngineFlags};
 
 use clap::{Args, ValueEnum};
 use h2o_llama::{Error, H2oConfig, Selection};
+
+/// Whether a run or the server uses H2O (`--h2o`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum H2oSwitch {
+    /// H2O for prompts of `H2oConfig::AUTO_FROM_TOKENS` tokens or more, full attention for
+    /// shorter ones (the server: H2O on, shorter prompts attend to all of themselves)
+    #[default]
+    Auto,
+    /// H2O for every prompt
+    On,
+    /// full attention, as stock llama.cpp
+    Off,
+}
+
+impl H2oSwitch {
+    /// The flag's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            H2oSwitch::Auto => "auto",
+            H2oSwitch::On => "on",
+            H2oSwitch::Off => "off",
+        }
+    }
+}
 
 /// How generated tokens attend (`--h2o-decode`).
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,8 +112,10 @@ pub struct H2oPolicy {
     /// H2O decode: full (each generated token reads its whole cache) or sparse (the first block,
     /// the last --h2o-local positions and the --h2o-decode-budget positions its query points
     /// at, by logits estimated from a quarter of the key channels; the cache is kept whole)
-    #[arg(long = "h2o-decode", value_name = "MODE", value_enum, default_value_t = DecodeMode::Full)]
-    pub decode: DecodeMode,
+    /// [default: sparse where H2O runs without --h2o-local/--h2o-heavy; full with them and in
+    /// the commands that compare H2O with full attention]
+    #[arg(long = "h2o-decode", value_name = "MODE", value_enum)]
+    pub decode: Option<DecodeMode>,
     /// H2O sparse decode: positions a step chooses, besides the first block and the recent
     /// window (at most the context of a sequence)
     #[arg(long = "h2o-decode-budget", value_name = "N", default_value_t = H2oConfig::RECOMMENDED_DECODE_BUDGET)]
@@ -104,15 +133,21 @@ pub struct H2oPolicy {
 
 impl H2oPolicy {
     /// This policy with a memory of `local` recent and `heavy` chosen positions and the
-    /// library's sinks (not checked: sessions check it when they are created).
+    /// library's sinks (not checked: sessions check it when they are created); decode as
+    /// `--h2o-decode` says, full where it is left out.
     pub fn config(&self, local: u32, heavy: u32) -> H2oConfig {
+        self.config_decoding(local, heavy, DecodeMode::Full)
+    }
+
+    /// As [`H2oPolicy::config`], with `decode` where `--h2o-decode` is left out.
+    pub fn config_decoding(&self, local: u32, heavy: u32, decode: DecodeMode) -> H2oConfig {
         let mut h2o = H2oConfig::new(local, heavy);
         h2o.select = self.select;
         h2o.dense_tail = self.dense_tail;
         h2o.coverage = self.coverage;
         h2o.tile_samples = self.tile_samples;
         h2o.tile_sketch = self.tile_sketch;
-        h2o.decode_budget = match self.decode {
+        h2o.decode_budget = match self.decode.unwrap_or(decode) {
             DecodeMode::Sparse => self.decode_budget,
             DecodeMode::Full => 0,
         };
@@ -127,7 +162,8 @@ impl H2oPolicy {
         a.extend(["--h2o-coverage".into(), self.coverage.to_string()]);
         a.extend(["--h2o-tile-samples".into(), self.tile_samples.to_string()]);
         a.extend(["--h2o-tile-sketch".into(), self.tile_sketch.to_string()]);
-        a.extend(["--h2o-decode".into(), self.decode.as_str().into()]);
+        let decode = self.decode.unwrap_or(DecodeMode::Full);
+        a.extend(["--h2o-decode".into(), decode.as_str().into()]);
         a.extend(["--h2o-decode-budget".into(), self.decode_budget.to_string()]);
         a.extend([
             "--h2o-decode-coverage".into(),
@@ -179,39 +215,149 @@ impl H2oMemory {
     }
 }
 
-/// H2O's flags: the memory ([`H2oMemory`]) and its policy ([`H2oPolicy`]).
+/// H2O's flags: whether it runs ([`H2oSwitch`]), the memory ([`H2oMemory`]) and its policy
+/// ([`H2oPolicy`]).
 #[derive(Args, Debug, Clone, Copy)]
 pub struct H2oFlags {
+    /// H2O: auto (on for prompts of 4,096 tokens or more, with -L = -H = 256 and chunks of
+    /// 1,024 unless given; the server: on, with shorter prompts attending to all of
+    /// themselves), on (every prompt), or off (full attention, as stock llama.cpp). Giving
+    /// --h2o-local or --h2o-heavy turns it on; both 0 turn it off
+    #[arg(long = "h2o", value_name = "WHEN", value_enum, default_value_t = H2oSwitch::Auto)]
+    pub switch: H2oSwitch,
     #[command(flatten)]
     pub memory: H2oMemory,
     #[command(flatten)]
     pub policy: H2oPolicy,
 }
 
+/// What the flags of a run or the server decide about H2O.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum H2oChoice {
+    /// Full attention.
+    Off,
+    /// H2O with this configuration, whatever the prompt.
+    On(H2oConfig),
+    /// Left to the front end (`--h2o auto` and no memory flags): this configuration for
+    /// prompts of [`H2oConfig::AUTO_FROM_TOKENS`] tokens or more, full attention for shorter
+    /// ones ([`H2oChoice::for_prompt`]).
+    Auto {
+        h2o: H2oConfig,
+        /// `--h2o-decode sparse` or `--h2o-decode-coverage` was given: a prompt that runs full
+        /// attention cannot have it, and is refused rather than decoded fully.
+        sparse_decode_asked: bool,
+    },
+}
+
+impl H2oChoice {
+    /// The H2O of a prompt of `n_prompt` tokens (`None`: full attention). An
+    /// [`Error::InvalidConfig`] when the flags asked for sparse decode and the prompt is too
+    /// short for H2O to turn on by itself.
+    pub fn for_prompt(&self, n_prompt: usize) -> Result<Option<H2oConfig>, Error> {
+        match *self {
+            H2oChoice::Off => Ok(None),
+            H2oChoice::On(h2o) => Ok(Some(h2o)),
+            H2oChoice::Auto { h2o, .. } if H2oConfig::automatic_for(n_prompt) => Ok(Some(h2o)),
+            H2oChoice::Auto {
+                sparse_decode_asked: false,
+                ..
+            } => Ok(None),
+            H2oChoice::Auto { .. } => Err(Error::InvalidConfig(format!(
+                "--h2o-decode sparse and --h2o-decode-coverage need H2O on, and a prompt of \
+                 {n_prompt} tokens runs full attention (H2O turns on by itself from {}): add \
+                 --h2o on (or use --h2o-decode full)",
+                H2oConfig::AUTO_FROM_TOKENS
+            ))),
+        }
+    }
+
+    /// The configuration H2O runs with where it runs (`None`: never).
+    pub fn h2o(&self) -> Option<H2oConfig> {
+        match *self {
+            H2oChoice::Off => None,
+            H2oChoice::On(h2o) | H2oChoice::Auto { h2o, .. } => Some(h2o),
+        }
+    }
+}
+
 impl H2oFlags {
     /// This policy and the given sinks with a memory of `local` and `heavy` positions (not
-    /// checked: sessions check it when they are created).
+    /// checked: sessions check it when they are created); decode as `--h2o-decode` says, full
+    /// where it is left out.
     pub fn with_memory(&self, local: u32, heavy: u32) -> H2oConfig {
-        let mut h2o = self.policy.config(local, heavy);
+        self.with_memory_decoding(local, heavy, DecodeMode::Full)
+    }
+
+    fn with_memory_decoding(&self, local: u32, heavy: u32, decode: DecodeMode) -> H2oConfig {
+        let mut h2o = self.policy.config_decoding(local, heavy, decode);
         if let Some(sink) = self.memory.sink {
             h2o.sink = sink;
         }
         h2o
     }
 
-    /// The H2O configuration of a run (h2o-cli, h2o-server), `None` when the flags leave H2O
-    /// off (L = H = 0, their default). A count out of range, or sparse decode without H2O, is
+    /// What a run (h2o-cli) or the server does: H2O off with `--h2o off` or L = H = 0 given, on
+    /// with L or H given or `--h2o on` (L and H 256 where left out), else left to the prompt's
+    /// length ([`H2oChoice::Auto`]). Without memory flags decode is sparse unless
+    /// `--h2o-decode full` ([`H2oConfig::automatic`]); with them, full unless `--h2o-decode
+    /// sparse`.
+    /// A count out of range, memory flags beside `--h2o off`, or sparse decode without H2O, is
     /// an [`Error::InvalidConfig`] naming the flag.
-    pub fn config(&self) -> Result<Option<H2oConfig>, Error> {
-        let (local, heavy) = self.memory.local_heavy(0)?;
-        let h2o = self.with_memory(local, heavy);
-        h2o.check_decode_needs_h2o()?;
-        Ok(h2o.is_enabled().then_some(h2o))
+    pub fn choice(&self) -> Result<H2oChoice, Error> {
+        let given = self.memory.local.is_some() || self.memory.heavy.is_some();
+        if self.switch == H2oSwitch::Off {
+            if given {
+                return Err(Error::InvalidConfig(
+                    "--h2o off is full attention: leave out --h2o-local and --h2o-heavy, or \
+                     leave out --h2o off to use them"
+                        .into(),
+                ));
+            }
+            self.with_memory(0, 0).check_decode_needs_h2o()?;
+            return Ok(H2oChoice::Off);
+        }
+        // without memory flags, the recommended configuration, which decodes sparsely; with
+        // them, a count left out is 0 and decode full unless asked, as before H2O turned on by
+        // itself
+        let (default, decode) = if given {
+            (0, DecodeMode::Full)
+        } else {
+            (H2oConfig::RECOMMENDED_MEMORY, DecodeMode::Sparse)
+        };
+        let (local, heavy) = self.memory.local_heavy(default)?;
+        let h2o = self.with_memory_decoding(local, heavy, decode);
+        if !h2o.is_enabled() {
+            if self.switch == H2oSwitch::On {
+                return Err(Error::InvalidConfig(
+                    "--h2o on needs a memory: --h2o-local and --h2o-heavy of 0 turn H2O off; \
+                     give counts above 0 or leave them out (256 each)"
+                        .into(),
+                ));
+            }
+            h2o.check_decode_needs_h2o()?;
+            return Ok(H2oChoice::Off);
+        }
+        Ok(match (self.switch, given) {
+            (H2oSwitch::Auto, false) => H2oChoice::Auto {
+                h2o,
+                sparse_decode_asked: self.policy.decode == Some(DecodeMode::Sparse)
+                    || self.policy.decode_coverage != 1.0,
+            },
+            _ => H2oChoice::On(h2o),
+        })
     }
 
     /// The H2O configuration of a command that compares H2O with full attention (bench,
-    /// perplexity, eval, the studies): L and H [`H2oMemory::COMPARED`] where left out.
+    /// perplexity, eval, the studies): L and H [`H2oMemory::COMPARED`] where left out, full
+    /// decode unless `--h2o-decode sparse`. Such commands set H2O on themselves: `--h2o` other
+    /// than auto is refused there.
     pub fn compared(&self) -> Result<H2oConfig, Error> {
+        if self.switch != H2oSwitch::Auto {
+            return Err(Error::InvalidConfig(format!(
+                "--h2o {}: this command compares H2O with full attention and runs both;                  leave out --h2o",
+                self.switch.as_str()
+            )));
+        }
         let (local, heavy) = self.memory.local_heavy(H2oMemory::COMPARED)?;
         Ok(self.with_memory(local, heavy))
     }
@@ -244,15 +390,64 @@ mod tests {
             .h2o
     }
 
+    /// The H2O of a run whose prompt has `n` tokens.
+    fn run_config(flags: &H2oFlags, n: usize) -> Result<Option<H2oConfig>, Error> {
+        flags.choice()?.for_prompt(n)
+    }
+
     #[test]
-    fn no_flags_leave_h2o_off() {
-        assert!(parse(&[]).config().unwrap().is_none());
+    fn no_flags_leave_h2o_to_the_prompts_length() {
+        let auto = H2oConfig::AUTO_FROM_TOKENS as usize;
+        let flags = parse(&[]);
+        assert_eq!(flags.choice().unwrap().h2o(), Some(H2oConfig::automatic()));
+        assert!(matches!(flags.choice().unwrap(), H2oChoice::Auto { .. }));
+        assert_eq!(run_config(&flags, auto - 1).unwrap(), None);
+        assert_eq!(
+            run_config(&flags, auto).unwrap(),
+            Some(H2oConfig::automatic())
+        );
+        let h2o = H2oConfig::automatic();
+        assert_eq!((h2o.local, h2o.heavy, h2o.decode_budget), (256, 256, 1024));
+        assert_eq!(h2o.select, Selection::Coverage);
+        // --h2o-decode full keeps the rest
+        let full = run_config(&parse(&["--h2o-decode", "full"]), auto)
+            .unwrap()
+            .unwrap();
+        assert_eq!(full.decode_budget, 0);
+        // sparse decode asked for is never dropped with H2O: a short prompt is refused
+        let sparse = parse(&["--h2o-decode", "sparse"]);
+        assert_eq!(
+            run_config(&sparse, auto).unwrap().unwrap().decode_budget,
+            1024
+        );
+        let err = run_config(&sparse, auto - 1).unwrap_err();
+        assert!(err.to_string().contains("--h2o on"), "{err}");
+    }
+
+    #[test]
+    fn on_and_off_do_not_ask_the_prompt() {
+        assert_eq!(parse(&["--h2o", "off"]).choice().unwrap(), H2oChoice::Off);
+        assert_eq!(
+            parse(&["--h2o", "on"]).choice().unwrap(),
+            H2oChoice::On(H2oConfig::automatic())
+        );
+        assert_eq!(
+            run_config(&parse(&["--h2o-local", "0", "--h2o-heavy", "0"]), 1 << 20).unwrap(),
+            None
+        );
+        let err = parse(&["--h2o", "off", "--h2o-local", "8"])
+            .choice()
+            .unwrap_err();
+        assert!(err.to_string().contains("--h2o off"), "{err}");
+        let err = parse(&["--h2o", "on", "--h2o-local", "0", "--h2o-heavy", "0"])
+            .choice()
+            .unwrap_err();
+        assert!(err.to_string().contains("--h2o on"), "{err}");
     }
 
     #[test]
     fn flags_left_out_are_the_library_defaults() {
-        let h2o = parse(&["--h2o-local", "256", "--h2o-heavy", "256"])
-            .config()
+        let h2o = run_config(&parse(&["--h2o-local", "256", "--h2o-heavy", "256"]), 1)
             .unwrap()
             .unwrap();
         assert_eq!(h2o, H2oConfig::new(256, 256));
@@ -261,17 +456,29 @@ mod tests {
     #[test]
     fn a_negative_count_names_its_flag() {
         let err = parse(&["--h2o-local", "-5", "--h2o-heavy", "256"])
-            .config()
+            .choice()
             .unwrap_err();
         assert!(err.to_string().contains("--h2o-local"), "{err}");
-        let err = parse(&["--h2o-heavy", "-1"]).config().unwrap_err();
+        let err = parse(&["--h2o-heavy", "-1"]).choice().unwrap_err();
         assert!(err.to_string().contains("--h2o-heavy"), "{err}");
     }
 
     #[test]
     fn sparse_decode_without_h2o_is_refused() {
-        let err = parse(&["--h2o-decode", "sparse"]).config().unwrap_err();
-        assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
+        for args in [
+            &["--h2o", "off", "--h2o-decode", "sparse"][..],
+            &[
+                "--h2o-local",
+                "0",
+                "--h2o-heavy",
+                "0",
+                "--h2o-decode",
+                "sparse",
+            ],
+        ] {
+            let err = parse(args).choice().unwrap_err();
+            assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
+        }
     }
 
     #[test]
@@ -284,7 +491,7 @@ mod tests {
             "--h2o-decode-budget",
             "64",
         ]);
-        assert_eq!(full.config().unwrap().unwrap().decode_budget, 0);
+        assert_eq!(run_config(&full, 1).unwrap().unwrap().decode_budget, 0);
         let sparse = parse(&[
             "--h2o-local",
             "8",
@@ -295,13 +502,13 @@ mod tests {
             "--h2o-decode-budget",
             "64",
         ]);
-        assert_eq!(sparse.config().unwrap().unwrap().decode_budget, 64);
+        assert_eq!(run_config(&sparse, 1).unwrap().unwrap().decode_budget, 64);
     }
 
     #[test]
-    fn left_out_counts_are_off_for_a_run_and_256_for_a_comparison() {
+    fn left_out_counts_are_0_beside_a_given_one_and_256_for_a_comparison() {
         let flags = parse(&["--h2o-local", "32", "--h2o-sink", "8"]);
-        let run = flags.config().unwrap().unwrap();
+        let run = run_config(&flags, 1).unwrap().unwrap();
         assert_eq!((run.local, run.heavy, run.sink), (32, 0, 8));
         let compared = parse(&[]).compared().unwrap();
         assert_eq!(compared, H2oConfig::new(256, 256));
@@ -312,6 +519,8 @@ mod tests {
         );
         let err = parse(&["--h2o-heavy", "-3"]).compared().unwrap_err();
         assert!(err.to_string().contains("--h2o-heavy"), "{err}");
+        let err = parse(&["--h2o", "off"]).compared().unwrap_err();
+        assert!(err.to_string().contains("leave out --h2o"), "{err}");
     }
 
     #[test]
@@ -328,7 +537,7 @@ mod tests {
         let again = Cli::try_parse_from(std::iter::once("app".to_string()).chain(flags.args(&h2o)))
             .expect("args parse")
             .h2o;
-        assert_eq!(again.config().unwrap(), Some(h2o));
+        assert_eq!(run_config(&again, 1).unwrap(), Some(h2o));
     }
 
     #[test]

@@ -10,8 +10,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use h2o_flags::{llama_spellings, EngineFlags, H2oFlags};
-use h2o_llama::{default_model, models, Error, ErrorKind, FlashAttention, SessionConfig};
+use h2o_flags::{llama_spellings, EngineFlags, H2oChoice, H2oFlags};
+use h2o_llama::{
+    default_model, models, Error, ErrorKind, FlashAttention, H2oConfig, SessionConfig,
+};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
@@ -223,7 +225,27 @@ fn exit_code(e: &anyhow::Error) -> u8 {
 
 /// What the engine is started with, checked before any download or model load.
 fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
-    let h2o = cli.h2o.config()?;
+    let ctx_size = cli.engine.ctx_size();
+    let per_slot = if cli.kv_unified {
+        ctx_size
+    } else {
+        ctx_size / cli.parallel.max(1)
+    };
+    // Left to decide, the server turns H2O on unless no slot could hold a prompt long enough
+    // for it or a full-attention feature is asked for; its requests with shorter prompts then
+    // run as full attention (see job_h2o).
+    let (h2o, h2o_auto) = match cli.h2o.choice()? {
+        H2oChoice::Off => (None, false),
+        H2oChoice::On(h2o) => (Some(h2o), false),
+        H2oChoice::Auto { h2o, .. } => {
+            let fits = ctx_size == 0 || H2oConfig::automatic_for(per_slot as usize);
+            if fits && !cli.context_shift && !cli.kv_unified {
+                (Some(h2o), true)
+            } else {
+                (None, false)
+            }
+        }
+    };
     let jinja_template = match (&cli.chat_template_file, &cli.chat_template) {
         (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {
             Error::InvalidConfig(format!(
@@ -264,12 +286,6 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     if cli.parallel == 0 {
         return Err(Error::InvalidConfig("the slot count -np must be at least 1".into()).into());
     }
-    let ctx_size = cli.engine.ctx_size();
-    let per_slot = if cli.kv_unified {
-        ctx_size
-    } else {
-        ctx_size / cli.parallel
-    };
     if ctx_size > 0 && per_slot == 0 {
         return Err(Error::InvalidConfig(format!(
             "-c {} is smaller than -np {}: each slot gets -c / -np tokens; raise -c (or 0 for the \
@@ -301,7 +317,14 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_ctx: per_slot,
         ..cli.engine.session_config(h2o)
     };
-    let checked = slot.validate();
+    let checked = slot.validate().map_err(|e| match e {
+        Error::InvalidConfig(msg) if h2o_auto => Error::InvalidConfig(format!(
+            "{msg}; H2O turns on by itself (L = H = {}, chunks of -ub): give flags it fits, or \
+             --h2o off for full attention",
+            H2oConfig::RECOMMENDED_MEMORY
+        )),
+        e => e,
+    });
     if ctx_size > 0 {
         checked.with_context(|| {
             format!(
@@ -330,6 +353,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         jinja_template,
         context_shift: cli.context_shift,
         kv_unified: cli.kv_unified,
+        h2o_auto,
         reasoning_format: cli.reasoning_format.clone(),
         aliases: comma_list(cli.alias.as_deref()),
         tags: comma_list(cli.tags.as_deref()),
@@ -477,13 +501,37 @@ async fn shutdown_engine(engine: EngineHandle) {
 /// One line on what serves: model, slots, batches, attention, queue.
 fn print_setup(engine: &EngineHandle, cli: &Cli) {
     let info = engine.info();
-    let attention = match info.h2o {
+    let mut attention = match info.h2o {
         Some(h) if h.is_enabled() => format!(
-            "H2O L={} H={} select={} sink={} dense-tail={}",
-            h.local, h.heavy, h.select, h.sink, h.dense_tail
+            "H2O L={} H={} select={} sink={} dense-tail={} decode={}",
+            h.local,
+            h.heavy,
+            h.select,
+            h.sink,
+            h.dense_tail,
+            if h.decode_budget > 0 {
+                "sparse"
+            } else {
+                "full"
+            }
         ),
         _ => "full attention".into(),
     };
+    if cli.h2o.switch == h2o_flags::H2oSwitch::Auto
+        && cli.h2o.memory.local.is_none()
+        && cli.h2o.memory.heavy.is_none()
+    {
+        attention += &if info.h2o.is_some() {
+            format!(
+                " (on by itself: prompts under {} tokens run full attention; --h2o off for none)",
+                H2oConfig::AUTO_FROM_TOKENS
+            )
+        } else {
+            " (H2O left off: no slot holds a prompt long enough for it, or a full-attention \
+             feature was asked for)"
+                .to_string()
+        };
+    }
     eprintln!(
         "h2o-server: {} | {} slot{} {} {} tokens | -b {} -ub {} -fa {} | {attention} | queue {}{}",
         info.model_id,
@@ -547,13 +595,35 @@ mod tests {
         let h2o = config.session.h2o.unwrap();
         assert_eq!(
             (h2o.local, h2o.heavy, h2o.select, h2o.sink, h2o.dense_tail),
-            (16, 16, Selection::Hybrid, 4, 64)
+            (16, 16, Selection::Coverage, 4, 64)
         );
-        assert!(engine_config(&cli(&[]), PathBuf::new())
-            .unwrap()
-            .session
-            .h2o
-            .is_none());
+        assert!(!config.h2o_auto);
+    }
+
+    #[test]
+    fn h2o_turns_on_by_itself_where_a_slot_holds_a_long_prompt() {
+        let config = |args: &[&str]| engine_config(&cli(args), PathBuf::new()).unwrap();
+        // the model's context per slot, or 4 slots of 8,192
+        for args in [&[][..], &["-c", "32768", "-np", "4"]] {
+            let c = config(args);
+            assert_eq!(c.session.h2o, Some(H2oConfig::automatic()), "{args:?}");
+            assert!(c.h2o_auto);
+            assert_eq!((c.session.n_batch, c.session.n_ubatch), (4096, 1024));
+        }
+        // slots shorter than a prompt H2O pays on, full-attention features, or --h2o off
+        for args in [
+            &["-c", "8192", "-np", "4"][..],
+            &["--context-shift"],
+            &["--kv-unified"],
+            &["--h2o", "off"],
+        ] {
+            let c = config(args);
+            assert_eq!(c.session.h2o, None, "{args:?}");
+            assert!(!c.h2o_auto);
+        }
+        // an -ub the automatic memory does not fit is named with the way out
+        let err = engine_config(&cli(&["-ub", "512"]), PathBuf::new()).unwrap_err();
+        assert!(format!("{err:#}").contains("--h2o off"), "{err:#}");
     }
 
     #[test]
@@ -561,7 +631,7 @@ mod tests {
         let ubatch =
             |args: &[&str]| engine_config(&cli(args), PathBuf::new()).map(|c| c.session.n_ubatch);
         assert_eq!(ubatch(&["-b", "32", "-c", "512"]).unwrap(), 32);
-        assert_eq!(ubatch(&["-b", "4096"]).unwrap(), 512);
+        assert_eq!(ubatch(&["-b", "4096", "--h2o", "off"]).unwrap(), 512);
         // with H2O on, the chunk of 1,024 the design uses, under the default -b of 4096
         let h2o = ["--h2o-local", "256", "--h2o-heavy", "256"];
         assert_eq!(ubatch(&h2o).unwrap(), 1024);

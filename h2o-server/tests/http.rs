@@ -189,7 +189,7 @@ fn chat_completions_and_completion_answer_in_their_shapes() {
     assert_eq!(t["predicted_n"], llama["tokens_predicted"]);
     assert!(t["prompt_per_second"].as_f64().unwrap() > 0.0);
     assert_eq!(t["h2o_memory_size"], 32);
-    assert_eq!(t["h2o_policy"], "hybrid");
+    assert_eq!(t["h2o_policy"], "coverage");
     assert!(t["h2o_sparse_chunks"].as_u64().unwrap() >= 1, "{t}");
     assert!(
         t["h2o_chunks"].as_u64().unwrap() > t["h2o_sparse_chunks"].as_u64().unwrap()

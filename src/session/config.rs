@@ -21,10 +21,11 @@ pub enum Selection {
     /// `hybrid`: half of the budget as `query`, the other half by accumulated attention (the seed
     /// rule's scores) among all other earlier positions.
     Hybrid,
-    /// `coverage`: every tile of 64 queries chooses its own memory, position by position, from
-    /// the exact attention of one query in 16 of it; the heavy budget is shared by all heads'
-    /// tiles of a chunk and goes where it covers the most estimated attention, until a tile's
-    /// estimate reaches [`H2oConfig::coverage`] (see docs/results/coverage/README.md).
+    /// `coverage` (recommended): every tile of 64 queries chooses its own memory, position by
+    /// position: its sampled queries' attention on a key sketch proposes candidates and the
+    /// whole tile's attention ranks them; the heavy budget is shared by all heads' tiles of a
+    /// chunk and goes where it covers the most estimated attention, until a tile's estimate
+    /// reaches [`H2oConfig::coverage`] (see docs/results/coverage/README.md).
     Coverage,
 }
 
@@ -159,10 +160,10 @@ impl H2oConfig {
         }
     }
 
-    /// The selection this project recommends (the CLI's defaults), measured in
-    /// docs/results/selection/README.md ("Perplexity"): hybrid (half query-aware blocks, half
-    /// heavy hitters), the first positions as sinks, and a dense tail for the question at the end
-    /// of a prompt.
+    /// The selection this project recommends (the front ends' defaults), measured in
+    /// docs/results/coverage/README.md ("Targets"): coverage selection, the first positions as
+    /// sinks, and a dense tail for the question at the end of a prompt. Decode reads the whole
+    /// cache; [`H2oConfig::automatic`] adds sparse decode.
     #[must_use]
     pub fn new(local: u32, heavy: u32) -> Self {
         Self {
@@ -179,7 +180,14 @@ impl H2oConfig {
         }
     }
 
-    pub const RECOMMENDED_SELECT: Selection = Selection::Hybrid;
+    pub const RECOMMENDED_SELECT: Selection = Selection::Coverage;
+    /// L and H of [`H2oConfig::automatic`].
+    pub const RECOMMENDED_MEMORY: u32 = 256;
+    /// The shortest prompt the front ends give H2O when left to decide (`--h2o auto`): the
+    /// length from which `h2o-cli bench` measured coverage selection at 1.1× stock's prefill
+    /// speed or more on the default model (docs/results/prefill-speed/README.md, "When H2O
+    /// turns on by itself").
+    pub const AUTO_FROM_TOKENS: u32 = 4096;
     pub const RECOMMENDED_SINK: u32 = 4;
     pub const RECOMMENDED_DENSE_TAIL: u32 = 64;
     pub const RECOMMENDED_TILE_SAMPLES: u32 = 64;
@@ -191,6 +199,25 @@ impl H2oConfig {
     /// The block of positions sparse decode sketches (`GGML_H2O_DECODE_BLOCK`); its sinks and
     /// recent window are whole blocks.
     pub const DECODE_BLOCK: u32 = 16;
+
+    /// What h2o-cli and h2o-server run when left to decide, for prompts of
+    /// [`H2oConfig::AUTO_FROM_TOKENS`] or more: [`H2oConfig::new`] with L = H = 256 and sparse
+    /// decode of [`H2oConfig::RECOMMENDED_DECODE_BUDGET`] positions (docs/results/decode).
+    #[must_use]
+    pub fn automatic() -> Self {
+        Self {
+            decode_budget: Self::RECOMMENDED_DECODE_BUDGET,
+            ..Self::new(Self::RECOMMENDED_MEMORY, Self::RECOMMENDED_MEMORY)
+        }
+    }
+
+    /// Whether a prompt of `n_prompt` tokens gets H2O when the front ends decide: from
+    /// [`H2oConfig::AUTO_FROM_TOKENS`] tokens on, and never in the stock build, which has no
+    /// H2O.
+    #[must_use]
+    pub fn automatic_for(n_prompt: usize) -> bool {
+        !cfg!(feature = "stock") && n_prompt >= Self::AUTO_FROM_TOKENS as usize
+    }
 
     /// The sketch this project recommends for key heads of `head_dim` channels, measured in
     /// docs/results/coverage/README.md, "A sketch by the heads' width": a quarter of heads up to

@@ -547,7 +547,7 @@ async fn models_health_props_and_metrics() {
         .await
         .unwrap();
     assert_eq!(props["total_slots"], 2);
-    assert_eq!(props["h2o"]["select"], "hybrid");
+    assert_eq!(props["h2o"]["select"], "coverage");
     let r = s
         .client
         .get(format!("{}/metrics", s.base))
