@@ -517,10 +517,7 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
         ),
         _ => "full attention".into(),
     };
-    if cli.h2o.switch == h2o_flags::H2oSwitch::Auto
-        && cli.h2o.memory.local.is_none()
-        && cli.h2o.memory.heavy.is_none()
-    {
+    if let Ok(H2oChoice::Auto { .. }) = cli.h2o.choice() {
         attention += &if info.h2o.is_some() {
             format!(
                 " (on by itself: prompts under {} tokens run full attention; --h2o off for none)",
