@@ -42,7 +42,7 @@ use h2o_llama::{Error, H2oConfig, Selection};
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum H2oSwitch {
     /// H2O for prompts of `H2oConfig::AUTO_FROM_TOKENS` tokens or more, full attention for
-    /// shorter ones (the server: H2O on, shorter prompts attend to all of themselves)
+    /// shorter ones (the server: H2O on when its slots hold such a prompt)
     #[default]
     Auto,
     /// H2O for every prompt
@@ -219,10 +219,10 @@ impl H2oMemory {
 /// ([`H2oPolicy`]).
 #[derive(Args, Debug, Clone, Copy)]
 pub struct H2oFlags {
-    /// H2O: auto (on for prompts of 4,096 tokens or more, with -L = -H = 256 and chunks of
-    /// 1,024 unless given; the server: on, with shorter prompts attending to all of
-    /// themselves), on (every prompt), or off (full attention, as stock llama.cpp). Giving
-    /// --h2o-local or --h2o-heavy turns it on; both 0 turn it off
+    /// H2O: auto (on for prompts of 4,096 tokens or more, with L = H = 256 and chunks of 1,024
+    /// unless given; the server: on when its slots hold such a prompt), on (every prompt), or
+    /// off (full attention, as stock llama.cpp). Giving --h2o-local or --h2o-heavy turns it
+    /// on; both 0 turn it off
     #[arg(long = "h2o", value_name = "WHEN", value_enum, default_value_t = H2oSwitch::Auto)]
     pub switch: H2oSwitch,
     #[command(flatten)]

@@ -232,8 +232,10 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         ctx_size / cli.parallel.max(1)
     };
     // Left to decide, the server turns H2O on unless no slot could hold a prompt long enough
-    // for it or a full-attention feature is asked for; its requests with shorter prompts then
-    // run as full attention (see job_h2o).
+    // for it or a full-attention feature is asked for. Unlike h2o-cli it cannot give shorter
+    // prompts full attention: a sequence's H2O settings are kept with its cache, and a prompt
+    // under other settings (a dense tail of the whole prompt) reuses none of a conversation's
+    // cached prefix. Prompts of one chunk are full attention anyway.
     let (h2o, h2o_auto) = match cli.h2o.choice()? {
         H2oChoice::Off => (None, false),
         H2oChoice::On(h2o) => (Some(h2o), false),
@@ -353,7 +355,6 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         jinja_template,
         context_shift: cli.context_shift,
         kv_unified: cli.kv_unified,
-        h2o_auto,
         reasoning_format: cli.reasoning_format.clone(),
         aliases: comma_list(cli.alias.as_deref()),
         tags: comma_list(cli.tags.as_deref()),
@@ -518,15 +519,11 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
         _ => "full attention".into(),
     };
     if let Ok(H2oChoice::Auto { .. }) = cli.h2o.choice() {
-        attention += &if info.h2o.is_some() {
-            format!(
-                " (on by itself: prompts under {} tokens run full attention; --h2o off for none)",
-                H2oConfig::AUTO_FROM_TOKENS
-            )
+        attention += if info.h2o.is_some() {
+            " (on by itself; --h2o off for full attention)"
         } else {
             " (H2O left off: no slot holds a prompt long enough for it, or a full-attention \
              feature was asked for)"
-                .to_string()
         };
     }
     eprintln!(
@@ -594,7 +591,6 @@ mod tests {
             (h2o.local, h2o.heavy, h2o.select, h2o.sink, h2o.dense_tail),
             (16, 16, Selection::Coverage, 4, 64)
         );
-        assert!(!config.h2o_auto);
     }
 
     #[test]
@@ -604,7 +600,6 @@ mod tests {
         for args in [&[][..], &["-c", "32768", "-np", "4"]] {
             let c = config(args);
             assert_eq!(c.session.h2o, Some(H2oConfig::automatic()), "{args:?}");
-            assert!(c.h2o_auto);
             assert_eq!((c.session.n_batch, c.session.n_ubatch), (4096, 1024));
         }
         // slots shorter than a prompt H2O pays on, full-attention features, or --h2o off
@@ -616,7 +611,6 @@ mod tests {
         ] {
             let c = config(args);
             assert_eq!(c.session.h2o, None, "{args:?}");
-            assert!(!c.h2o_auto);
         }
         // an -ub the automatic memory does not fit is named with the way out
         let err = engine_config(&cli(&["-ub", "512"]), PathBuf::new()).unwrap_err();

@@ -764,31 +764,34 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     refused_at_start(&["--h2o", "off", "--h2o-decode", "sparse"], "need H2O on");
 }
 
-/// Left to decide, the server starts with H2O on (the setup line says so) and runs a prompt
-/// shorter than `H2oConfig::AUTO_FROM_TOKENS` as full attention: the whole prompt is its dense
-/// tail, no chunk runs sparse, and it decodes fully.
+/// Left to decide, the server starts with H2O on (the setup line says so): the recommended
+/// configuration, whose prompts of more than a chunk run sparse, and a conversation's next turn
+/// still reuses its cached prefix.
 #[test]
-fn a_server_left_to_decide_runs_short_prompts_as_full_attention() {
+fn a_server_left_to_decide_runs_h2o_and_reuses_a_conversations_prefix() {
     let _engine = one_engine_at_a_time();
     let server = Server::start(&["-c", "8192", "-np", "1"]);
     let setup = server.log.lock().unwrap().join("\n");
     assert!(setup.contains("select=coverage"), "{setup}");
+    assert!(setup.contains("decode=sparse"), "{setup}");
     assert!(setup.contains("on by itself"), "{setup}");
-    // about 1,500 tokens: two chunks of 1,024, and more cells than sparse decode would read
-    let prompt = h2o_llama::demo::prompt(50);
-    let body = json!({"prompt": prompt, "n_predict": 4, "temperature": 0});
+    // about 1,500 tokens: two chunks of 1,024, the second attending to a memory
+    let first = h2o_llama::demo::prompt(50);
+    let body = json!({"prompt": first, "n_predict": 4, "temperature": 0});
     let (status, v) = post(&server, "/completion", &body);
     assert_eq!(status, 200, "{v}");
     let t = &v["timings"];
-    let n = v["tokens_evaluated"].as_u64().unwrap();
-    assert!((1400..4096).contains(&n), "{n} prompt tokens");
     assert_eq!(t["h2o_policy"], "coverage", "{t}");
-    assert_eq!(t["h2o_chunks"], 2, "{t}");
-    assert_eq!(t["h2o_sparse_chunks"], 0, "{t}");
-    assert_eq!(t["h2o_dense_tail_tokens"].as_u64(), Some(n), "{t}");
-    // full decode reads every cached position; sparse decode would read about 1,300
-    assert!(
-        t["h2o_decode_keys_per_step"].as_f64().unwrap() > n as f64,
+    assert_eq!(t["h2o_memory_size"], 512, "{t}");
+    assert_eq!(
+        (&t["h2o_chunks"], &t["h2o_sparse_chunks"]),
+        (&2.into(), &1.into()),
         "{t}"
     );
+    // the next turn: the first chunk comes from the cache
+    let next = format!("{first} the old mill.\nQuestion: Who moved crate A-104?\nAnswer:");
+    let body = json!({"prompt": next, "n_predict": 4, "temperature": 0});
+    let (status, v) = post(&server, "/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    assert!(v["tokens_cached"].as_u64().unwrap() >= 1024, "{v}");
 }

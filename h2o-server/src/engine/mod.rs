@@ -42,9 +42,6 @@ pub struct EngineConfig {
     pub context_shift: bool,
     /// `--kv-unified`: the slots share one KV cache of `n_ctx` cells.
     pub kv_unified: bool,
-    /// H2O turned on by the server itself (`--h2o auto`): prompts shorter than
-    /// `H2oConfig::AUTO_FROM_TOKENS` run as full attention.
-    pub h2o_auto: bool,
     /// `--reasoning-format`: the default of requests' `reasoning_format`.
     pub reasoning_format: Option<String>,
     /// Jinja source in place of the model's template for the Jinja path (`--chat-template-file`,

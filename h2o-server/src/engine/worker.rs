@@ -244,13 +244,7 @@ fn run(
             .map_or(0, |d| d.as_secs()),
     };
     // the slots are shown before the first request can ask for them
-    let engine = Engine::new(
-        session,
-        shared,
-        config.chat_template,
-        config.context_shift,
-        config.h2o_auto,
-    );
+    let engine = Engine::new(session, shared, config.chat_template, config.context_shift);
     if ready.send(Ok(info)).is_err() {
         return;
     }
@@ -321,9 +315,6 @@ struct Engine<'m> {
     chat_template: Option<String>,
     /// `--context-shift`.
     context_shift: bool,
-    /// H2O on by itself (`--h2o auto`): a prompt shorter than `H2oConfig::AUTO_FROM_TOKENS`
-    /// attends to all of itself and decodes fully, unless its request says otherwise.
-    h2o_auto: bool,
     next_task: u64,
     /// When each slot's last job ended (`make_room` lets the oldest cache go first).
     last_used: Vec<Instant>,
@@ -335,7 +326,6 @@ impl<'m> Engine<'m> {
         shared: Shared,
         chat_template: Option<String>,
         context_shift: bool,
-        h2o_auto: bool,
     ) -> Self {
         let n = session.n_seq() as usize;
         let this = Self {
@@ -347,7 +337,6 @@ impl<'m> Engine<'m> {
             views: shared.slots,
             chat_template,
             context_shift,
-            h2o_auto,
             next_task: 0,
             last_used: vec![Instant::now(); n],
         };

@@ -30,7 +30,7 @@ impl Engine<'_> {
                 }
             };
             let slot = self.pick_slot(&prompt);
-            let h2o = self.job_h2o(&pending.job, prompt.len());
+            let h2o = self.job_h2o(&pending.job);
             if !pending.job.cache_prompt {
                 if let Err(e) = self.session.clear(slot as u32) {
                     self.fail_unstarted(&tx, JobError::Engine(e.to_string()));
@@ -174,27 +174,18 @@ impl Engine<'_> {
             .expect("a free slot")
     }
 
-    /// The memory selection a job of `n_prompt` tokens asks for (`None`: the server's). With
-    /// H2O on by itself, a prompt too short for it to pay attends to all of itself (a dense
-    /// tail of the whole prompt) and decodes fully: full attention, unless the request sets
-    /// those fields.
-    fn job_h2o(&self, job: &Job, n_prompt: usize) -> Option<H2oConfig> {
+    /// The memory selection a job asks for (`None`: the server's).
+    fn job_h2o(&self, job: &Job) -> Option<H2oConfig> {
         let base = self.session.config().h2o.filter(H2oConfig::is_enabled)?;
         let o = &job.h2o;
-        let short = self.h2o_auto && !H2oConfig::automatic_for(n_prompt);
-        if o.is_empty() && !short {
+        if o.is_empty() {
             return None;
         }
-        let (dense_tail, decode_budget) = if short {
-            (u32::try_from(n_prompt).unwrap_or(u32::MAX), 0)
-        } else {
-            (base.dense_tail, base.decode_budget)
-        };
         Some(H2oConfig {
             select: o.select.unwrap_or(base.select),
             sink: o.sink.unwrap_or(base.sink),
-            dense_tail: o.dense_tail.unwrap_or(dense_tail),
-            decode_budget: o.decode_budget.unwrap_or(decode_budget),
+            dense_tail: o.dense_tail.unwrap_or(base.dense_tail),
+            decode_budget: o.decode_budget.unwrap_or(base.decode_budget),
             ..base
         })
     }
