@@ -267,13 +267,14 @@ fn session_config(cli: &Cli, n_prompt: Option<usize>) -> Result<SessionConfig> {
     };
     let config = cli.engine.session_config(h2o);
     if let (H2oChoice::Auto { .. }, Some(n), Some(_)) = (choice, n_prompt, h2o) {
-        config.validate().map_err(|e| match e {
-            Error::InvalidConfig(msg) => Error::InvalidConfig(format!(
-                "{msg}; H2O turns on by itself for prompts of {} tokens or more (this one has \
-                 {n}): give flags it fits, or --h2o off for full attention",
-                H2oConfig::AUTO_FROM_TOKENS
-            )),
-            e => e,
+        config.validate().map_err(|e| {
+            H2oChoice::refused_by_itself(
+                e,
+                &format!(
+                    "H2O turns on by itself for prompts of {} tokens or more (this one has {n})",
+                    H2oConfig::AUTO_FROM_TOKENS
+                ),
+            )
         })?;
     }
     Ok(config)

@@ -271,6 +271,17 @@ impl H2oChoice {
         }
     }
 
+    /// `e`, from checking a configuration H2O turned on by itself (`why` says what turned it
+    /// on), with the way out: flags it fits, or `--h2o off`.
+    pub fn refused_by_itself(e: Error, why: &str) -> Error {
+        match e {
+            Error::InvalidConfig(msg) => Error::InvalidConfig(format!(
+                "{msg}; {why}: give flags it fits, or --h2o off for full attention"
+            )),
+            e => e,
+        }
+    }
+
     /// The configuration H2O runs with where it runs (`None`: never).
     pub fn h2o(&self) -> Option<H2oConfig> {
         match *self {

@@ -319,13 +319,16 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_ctx: per_slot,
         ..cli.engine.session_config(h2o)
     };
-    let checked = slot.validate().map_err(|e| match e {
-        Error::InvalidConfig(msg) if h2o_auto => Error::InvalidConfig(format!(
-            "{msg}; H2O turns on by itself (L = H = {}, chunks of -ub): give flags it fits, or \
-             --h2o off for full attention",
-            H2oConfig::RECOMMENDED_MEMORY
-        )),
-        e => e,
+    let checked = slot.validate().map_err(|e| {
+        if h2o_auto {
+            let why = format!(
+                "H2O turns on by itself (L = H = {}, chunks of -ub)",
+                H2oConfig::RECOMMENDED_MEMORY
+            );
+            H2oChoice::refused_by_itself(e, &why)
+        } else {
+            e
+        }
     });
     if ctx_size > 0 {
         checked.with_context(|| {
