@@ -832,6 +832,16 @@ fn coverage_study_orders_the_oracles_and_keeps_the_average_budget() {
     assert!(spread[0] <= 128 && spread[2] >= 128, "{moved}");
     assert!(moved["cost_share"].as_f64().unwrap() > 0.0, "{moved}");
     assert_eq!(find("oracle: per chunk", "fixed")["cost_share"], 0.0);
+    // a proposal shared by two tiles costs less than each tile's own
+    let two_stages = |proposal: &str| {
+        find(
+            &format!("two stages: sampled queries (1 in 4){proposal} + 0 by scores + 0 from the previous tile name 4 H candidates, all queries rank them, per tile"),
+            "across heads",
+        )["cost_share"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(two_stages(" of 1 tile in 2") < two_stages(""));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -45,13 +45,16 @@ pub enum Strategy {
     /// which are ranked by the tile's attention on them, each query normalised over its chunk,
     /// the forced positions and the candidates. The estimate is that attention. With
     /// `rank_every` > 1 only every `rank_every`-th query of the tile ranks (and estimates), at
-    /// that share of the second stage's cost.
+    /// that share of the second stage's cost. With `propose_every` > 1 only every
+    /// `propose_every`-th tile of a chunk proposes (the first one always); the tiles between
+    /// rank the candidates the tile before them ranked, at that share of the first stage's cost.
     SampledRefined {
         every: usize,
         from_scores: usize,
         from_prev: usize,
         taper: bool,
         rank_every: usize,
+        propose_every: usize,
     },
     /// Per tile, two stages: every query of the tile estimates its logits from its `r`
     /// largest-magnitude channels only (SparQ), a softmax at SparQ's corrected temperature; the
@@ -84,7 +87,7 @@ pub enum Strategy {
 }
 
 /// Every strategy, in the report's order.
-pub const ALL: [Strategy; 38] = [
+pub const ALL: [Strategy; 42] = [
     Strategy::OracleChunk,
     Strategy::OracleChunkLocal,
     Strategy::OracleTile,
@@ -100,6 +103,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 1,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 16,
@@ -107,6 +111,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 256,
         taper: false,
         rank_every: 1,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 8,
@@ -114,6 +119,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 1,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 4,
@@ -121,6 +127,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 1,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 16,
@@ -128,6 +135,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: true,
         rank_every: 1,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 4,
@@ -135,6 +143,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: true,
         rank_every: 1,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 4,
@@ -142,6 +151,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 2,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 4,
@@ -149,6 +159,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 4,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 8,
@@ -156,6 +167,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 2,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 8,
@@ -163,6 +175,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 4,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 16,
@@ -170,6 +183,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: false,
         rank_every: 4,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 8,
@@ -177,6 +191,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: true,
         rank_every: 2,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 8,
@@ -184,6 +199,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: true,
         rank_every: 4,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 16,
@@ -191,6 +207,7 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: true,
         rank_every: 2,
+        propose_every: 1,
     },
     Strategy::SampledRefined {
         every: 16,
@@ -198,6 +215,39 @@ pub const ALL: [Strategy; 38] = [
         from_prev: 0,
         taper: true,
         rank_every: 4,
+        propose_every: 1,
+    },
+    Strategy::SampledRefined {
+        every: 4,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 1,
+        propose_every: 2,
+    },
+    Strategy::SampledRefined {
+        every: 4,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 2,
+        propose_every: 2,
+    },
+    Strategy::SampledRefined {
+        every: 4,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 2,
+        propose_every: 4,
+    },
+    Strategy::SampledRefined {
+        every: 8,
+        from_scores: 0,
+        from_prev: 0,
+        taper: false,
+        rank_every: 2,
+        propose_every: 2,
     },
     Strategy::SparqRefined { r: 4, taper: false },
     Strategy::SparqRefined { r: 8, taper: false },
@@ -245,14 +295,26 @@ impl Strategy {
                     if taper { ", local window tapered" } else { "" }
                 )
             }
-            Self::SampledRefined { every, from_scores, from_prev, taper, rank_every } => {
+            Self::SampledRefined {
+                every,
+                from_scores,
+                from_prev,
+                taper,
+                rank_every,
+                propose_every,
+            } => {
                 let rankers = if rank_every == 1 {
                     "all queries".to_string()
                 } else {
                     format!("1 query in {rank_every}")
                 };
+                let proposers = if propose_every == 1 {
+                    String::new()
+                } else {
+                    format!(" of 1 tile in {propose_every}")
+                };
                 return format!(
-                    "two stages: sampled queries (1 in {every}) + {from_scores} by scores + {from_prev} from the previous tile name 4 H candidates, {rankers} rank them, per tile{}",
+                    "two stages: sampled queries (1 in {every}){proposers} + {from_scores} by scores + {from_prev} from the previous tile name 4 H candidates, {rankers} rank them, per tile{}",
                     if taper { ", local window tapered" } else { "" }
                 )
             }
@@ -318,9 +380,12 @@ impl Strategy {
                 r as f64 * (i + 1.0) + d * ((4 * c.heavy + c.local) as f64).min(w)
             }
             Self::SampledRefined {
-                every, rank_every, ..
+                every,
+                rank_every,
+                propose_every,
+                ..
             } => {
-                d * (i + 1.0) / every as f64
+                d * (i + 1.0) / (every * propose_every) as f64
                     + d * ((4 * c.heavy + c.local) as f64).min(w) / rank_every as f64
             }
             Self::MeanKeys => d * blocks,
@@ -456,42 +521,26 @@ pub fn rank(
                     from_prev,
                     taper,
                     rank_every,
+                    propose_every,
                 } => {
                     let forced = tapered(c, &forced, start, rows.start, taper);
-                    let sampled = sampled_rows(rows.clone(), every);
-                    let by_samples = order_positions(&column_sums_of(att, &sampled), &forced, kmax);
-                    let n_forced = forced.len().min(kmax);
-                    let n_cand = (4 * c.heavy).min(by_samples.len() - n_forced);
-                    let mut taken = vec![false; start];
-                    forced.iter().for_each(|&p| taken[p as usize] = true);
-                    let mut cand: Vec<u32> = Vec::with_capacity(n_cand);
-                    let mut take =
-                        |from: &mut dyn Iterator<Item = u32>, n: usize, cand: &mut Vec<u32>| {
-                            let goal = (cand.len() + n).min(n_cand);
-                            for p in from {
-                                if cand.len() >= goal {
-                                    break;
-                                }
-                                if !taken[p as usize] {
-                                    taken[p as usize] = true;
-                                    cand.push(p);
-                                }
-                            }
-                        };
-                    let by_scores = order_positions(&scores[..start], &forced, kmax);
-                    take(
-                        &mut by_scores[n_forced..].iter().copied(),
-                        from_scores,
-                        &mut cand,
-                    );
-                    if let Some(p) = prev.as_ref() {
-                        take(&mut p.iter().copied(), from_prev, &mut cand);
-                    }
-                    take(
-                        &mut by_samples[n_forced..].iter().copied(),
-                        n_cand,
-                        &mut cand,
-                    );
+                    let tile = rows.start / c.tile;
+                    let cand: Vec<u32> = match prev.as_ref() {
+                        // a tile that does not propose ranks what the tile before it ranked
+                        Some(p) if !tile.is_multiple_of(propose_every) => p.clone(),
+                        _ => propose(
+                            c,
+                            att,
+                            rows.clone(),
+                            every,
+                            &forced,
+                            kmax,
+                            scores,
+                            from_scores,
+                            prev.as_deref(),
+                            from_prev,
+                        ),
+                    };
                     let rankers = sampled_rows(rows.clone(), rank_every);
                     let (refined, base, masses) = refine(att, &rankers, &forced, &cand);
                     let order: Vec<u32> = forced.iter().chain(&refined).copied().collect();
@@ -599,6 +648,59 @@ fn tapered(c: &StudyConfig, forced: &[u32], start: usize, offset: usize, taper: 
         .copied()
         .filter(|&p| (p as usize) < c.sink || p as usize >= local)
         .collect()
+}
+
+/// The first stage of [`Strategy::SampledRefined`] for the tile of `rows`: 4 H candidates (after
+/// the forced positions), `from_scores` by the accumulated scores, `from_prev` from the previous
+/// tile's ranking, the rest by the attention of every `every`-th query of the tile.
+#[allow(clippy::too_many_arguments)] // the strategy's fields and the unit's context
+fn propose(
+    c: &StudyConfig,
+    att: &ChunkAttention,
+    rows: Range<usize>,
+    every: usize,
+    forced: &[u32],
+    kmax: usize,
+    scores: &[f64],
+    from_scores: usize,
+    prev: Option<&[u32]>,
+    from_prev: usize,
+) -> Vec<u32> {
+    let start = att.start;
+    let sampled = sampled_rows(rows, every);
+    let by_samples = order_positions(&column_sums_of(att, &sampled), forced, kmax);
+    let n_forced = forced.len().min(kmax);
+    let n_cand = (4 * c.heavy).min(by_samples.len() - n_forced);
+    let mut taken = vec![false; start];
+    forced.iter().for_each(|&p| taken[p as usize] = true);
+    let mut cand: Vec<u32> = Vec::with_capacity(n_cand);
+    let mut take = |from: &mut dyn Iterator<Item = u32>, n: usize, cand: &mut Vec<u32>| {
+        let goal = (cand.len() + n).min(n_cand);
+        for p in from {
+            if cand.len() >= goal {
+                break;
+            }
+            if !taken[p as usize] {
+                taken[p as usize] = true;
+                cand.push(p);
+            }
+        }
+    };
+    let by_scores = order_positions(&scores[..start], forced, kmax);
+    take(
+        &mut by_scores[n_forced..].iter().copied(),
+        from_scores,
+        &mut cand,
+    );
+    if let Some(p) = prev {
+        take(&mut p.iter().copied(), from_prev, &mut cand);
+    }
+    take(
+        &mut by_samples[n_forced..].iter().copied(),
+        n_cand,
+        &mut cand,
+    );
+    cand
 }
 
 /// Every `every`-th row of a tile (its last at least).
