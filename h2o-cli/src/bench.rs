@@ -75,7 +75,9 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         }
     }
     let this = std::env::current_exe().context("cannot locate this h2o-cli")?;
-    let show_progress = !args.json && std::io::stderr().is_terminal();
+    // progress goes to stderr with --json too (the record is on stdout): a line that redraws
+    // itself on a terminal, a line per run in a log
+    let redraw = std::io::stderr().is_terminal();
     let log = |msg: &str| {
         if !args.json {
             eprintln!("h2o-cli bench: {msg}");
@@ -109,16 +111,19 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         if interrupt.load(Ordering::Relaxed) {
             return Err(h2o_llama::Error::Interrupted.into());
         }
-        if show_progress {
-            eprint!(
-                "\r\x1b[Kbench: run {}/{}: N = {}, {}, repetition {}/{}",
-                run.index + 1,
-                run.total,
-                run.point.n_prompt,
-                run.engine.label(),
-                run.repetition,
-                args.repetitions
-            );
+        let progress = format!(
+            "bench: run {}/{}: N = {}, {}, repetition {}/{}",
+            run.index + 1,
+            run.total,
+            run.point.n_prompt,
+            run.engine.label(),
+            run.repetition,
+            args.repetitions
+        );
+        if redraw {
+            eprint!("\r\x1b[K{progress}");
+        } else {
+            eprintln!("h2o-cli {progress}");
         }
         let exe = match run.engine {
             Engine::Baseline => args.stock_cli.as_deref().unwrap_or(&this),
@@ -130,7 +135,7 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         }
         Ok::<_, anyhow::Error>(measurement)
     })?;
-    if show_progress {
+    if redraw {
         eprint!("\r\x1b[K");
     }
     let report = Report {

@@ -101,13 +101,11 @@ pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         );
     }
     tokens.truncate(n_tokens);
-    let talk = !args.json;
-    if talk {
-        eprintln!(
-            "h2o-cli coverage: full-attention prefill of {} tokens, capturing Q and K",
-            tokens.len()
-        );
-    }
+    // progress goes to stderr, with --json too: the record is on stdout
+    eprintln!(
+        "h2o-cli coverage: full-attention prefill of {} tokens, capturing Q and K",
+        tokens.len()
+    );
     let layers = coverage::capture_dense(&model, &tokens, args.layers.as_deref(), threads)
         .context("capturing the attention")?;
     if args.output_error {
@@ -121,12 +119,13 @@ pub fn run(args: &CoverageArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         }
         return Ok(());
     }
-    let show = talk && std::io::stderr().is_terminal();
+    let show = std::io::stderr().is_terminal();
     let report = coverage::run(&layers, &config, threads as usize, |done, total| {
         if show {
             eprint!("\r\x1b[Kcoverage: {done}/{total} heads");
-        } else if talk && done == total {
-            eprintln!("h2o-cli coverage: {total} heads studied");
+        } else if done * 4 / total != (done - 1) * 4 / total {
+            // a log gets a line at every quarter
+            eprintln!("h2o-cli coverage: {done}/{total} heads studied");
         }
     })?;
     if show {

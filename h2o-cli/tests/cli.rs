@@ -667,6 +667,14 @@ fn bench_measures_both_engines_and_reports_the_ratio() {
     let png = dir.join("bench.png");
     let o = bench(&["--json", "--png", png.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // with --json the record is on stdout and the progress, a line per run in a log, on stderr
+    for run in 1..=4 {
+        assert!(
+            stderr(&o).contains(&format!("h2o-cli bench: run {run}/4: N = ")),
+            "{}",
+            stderr(&o)
+        );
+    }
     assert_png(&png, 960, 600);
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(report["baseline"].as_str().unwrap().contains("not stock"));
@@ -842,6 +850,12 @@ fn coverage_study_orders_the_oracles_and_keeps_the_average_budget() {
             .unwrap()
     };
     assert!(two_stages(" of 1 tile in 2") < two_stages(""));
+    // with --json the progress still goes to stderr
+    assert!(
+        stderr(&o).contains("h2o-cli coverage: 18/18 heads studied"), // 9 heads in 2 layers
+        "{}",
+        stderr(&o)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
