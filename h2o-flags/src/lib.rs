@@ -41,8 +41,10 @@ use h2o_llama::{Error, H2oConfig, Selection};
 /// Whether a run or the server uses H2O (`--h2o`).
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum H2oSwitch {
-    /// H2O for prompts of `H2oConfig::AUTO_FROM_TOKENS` tokens or more, full attention for
-    /// shorter ones (the server: H2O on when its slots hold such a prompt)
+    /// H2O for prompts of 4,096 tokens or more, full attention for shorter ones (the server:
+    /// H2O on when its slots hold such a prompt)
+    // the number is H2oConfig::AUTO_FROM_TOKENS, which help text cannot name (a unit test
+    // holds the two together)
     #[default]
     Auto,
     /// H2O for every prompt
@@ -404,6 +406,23 @@ mod tests {
     /// The H2O of a run whose prompt has `n` tokens.
     fn run_config(flags: &H2oFlags, n: usize) -> Result<Option<H2oConfig>, Error> {
         flags.choice()?.for_prompt(n)
+    }
+
+    #[test]
+    fn the_help_says_from_which_length_h2o_turns_on_by_itself() {
+        use clap::CommandFactory;
+        let n = H2oConfig::AUTO_FROM_TOKENS;
+        let said = format!("{},{:03} tokens or more", n / 1000, n % 1000);
+        let mut cli = Cli::command();
+        let help = cli.render_long_help().to_string();
+        let flag = help.find("--h2o <WHEN>").expect("--h2o in the help");
+        let shown = &help[flag..];
+        assert_eq!(
+            shown.matches(said.as_str()).count(),
+            2,
+            "--h2o's help and its `auto` value say {said}:\n{shown}"
+        );
+        assert!(!help.contains("AUTO_FROM_TOKENS"), "{help}");
     }
 
     #[test]
