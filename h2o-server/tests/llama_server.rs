@@ -30,13 +30,37 @@ fn first_token(server: &Server, body: &Value) -> (String, i64) {
 /// h2o-server with these flags (and the default model) stops at start with exit 3, naming
 /// `flag` on stderr.
 fn refused_at_start(args: &[&str], flag: &str) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
+    use std::io::Read;
+    use std::time::{Duration, Instant};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_h2o-server"))
         .args(["-m", &model_path(), "--port", "0"])
         .args(args)
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{args:?}: {err}");
+    // read as it comes, so that a long log cannot fill the pipe and stop the server
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut err = Vec::new();
+        stderr.read_to_end(&mut err).unwrap();
+        String::from_utf8_lossy(&err).into_owned()
+    });
+    // a server that starts instead of refusing would serve until killed: fail instead of hanging
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("{args:?}: the server was still running after 120 s instead of refusing");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let err = reader.join().unwrap();
+    assert_eq!(status.code(), Some(3), "{args:?}: {err}");
     assert!(err.contains(flag), "{args:?}: {err}");
 }
 
