@@ -17,12 +17,12 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         let mut rng = Rng(seed | 1);
         for _ in 0..4 {
-            rng.next();
+            rng.next_u64();
         }
         rng
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -31,7 +31,7 @@ impl Rng {
 
     /// A number in `0..n` (`n` > 0).
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.next_u64() % n as u64) as usize
     }
 }
 

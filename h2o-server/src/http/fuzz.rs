@@ -232,7 +232,7 @@ fn case(seed: u64) -> (&'static str, Vec<u8>) {
                 if !bytes.is_empty() {
                     if rng.below(2) == 0 {
                         let at = rng.below(bytes.len());
-                        bytes[at] = rng.next() as u8;
+                        bytes[at] = rng.next_u64() as u8;
                     } else {
                         bytes.truncate(rng.below(bytes.len()));
                     }
