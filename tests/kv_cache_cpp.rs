@@ -128,7 +128,8 @@ fn h2o_prefill_offloaded_agrees_with_the_cpu() {
 #[test]
 fn bench_h2o_prefill_runs_on_the_cpu() {
     let _engine = common::one_engine_at_a_time();
-    let json = common::scratch("bench-h2o-prefill").join("bench.json");
+    let scratch = common::scratch("bench-h2o-prefill");
+    let json = scratch.join("bench.json");
     let mut args: Vec<std::ffi::OsString> = vec![common::model_path().into()];
     args.extend(
         "-p 512 -r 1 -b 1024 -ub 256 --h2o-local 64 --h2o-heavy 64 -t 2 -ngl 0 --json"

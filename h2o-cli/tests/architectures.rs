@@ -90,21 +90,6 @@ const KEEP_DIR: &str = "H2O_LLAMA_ARCH_DIR";
 /// Longest a child may take (a few seconds is normal): a hang fails instead of blocking CI.
 const CHILD_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// A scratch directory removed when the test ends, however it ends.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        Scratch(common::scratch(name))
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// What one `h2o-cli` run did.
 struct Run {
     /// exit code, or None when a signal ended it
@@ -244,7 +229,7 @@ fn evaluated(run: &Run, logits: &Path) -> Result<serde_json::Value, String> {
 
 fn check(name: &str) {
     let &(_, build, expect) = MATRIX.iter().find(|(n, ..)| *n == name).unwrap();
-    let dir = Scratch::new(&format!("arch-{name}"));
+    let dir = common::scratch(&format!("arch-{name}"));
     let tiny = build();
     let model = match std::env::var_os(KEEP_DIR) {
         // keep the GGUF where asked, to try the model by hand
@@ -252,14 +237,14 @@ fn check(name: &str) {
             std::fs::create_dir_all(&keep).unwrap();
             PathBuf::from(keep).join(format!("{name}.gguf"))
         }
-        None => dir.0.join(format!("{name}.gguf")),
+        None => dir.join(format!("{name}.gguf")),
     };
     tiny.gguf.write(&model).unwrap();
     let mib = std::fs::metadata(&model).unwrap().len() as f64 / (1 << 20) as f64;
     eprintln!("{name}: {} ({mib:.1} MiB)", tiny.describe);
 
     // a. full attention
-    let full_logits = dir.0.join("full.f32");
+    let full_logits = dir.join("full.f32");
     let run = h2o_cli(&model, &full_logits, &[]);
     let record =
         evaluated(&run, &full_logits).unwrap_or_else(|e| panic!("{name}, full attention: {e}"));
@@ -267,7 +252,7 @@ fn check(name: &str) {
     eprintln!("{name}: full attention ok ({:.1} s)", run.seconds);
 
     // b. H2O
-    let h2o_logits = dir.0.join("h2o.f32");
+    let h2o_logits = dir.join("h2o.f32");
     let run = h2o_cli(
         &model,
         &h2o_logits,
@@ -319,8 +304,8 @@ fn check(name: &str) {
 /// empty one) and both tensor types survive a round trip, and the tensor data starts aligned.
 #[test]
 fn gguf_writer_round_trips_metadata_and_aligns_tensors() {
-    let dir = Scratch::new("arch-gguf-writer");
-    let path = dir.0.join("t.gguf");
+    let dir = common::scratch("arch-gguf-writer");
+    let path = dir.join("t.gguf");
     let mut w = Writer::new("llama");
     let kv = [
         ("t.u8", Value::U8(250)),

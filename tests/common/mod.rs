@@ -6,7 +6,7 @@
 pub mod gguf;
 pub mod tiny_models;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use h2o_llama::{Model, ModelParams, Session};
@@ -62,12 +62,39 @@ pub fn one_engine_at_a_time() -> MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A scratch directory unique to this test process and name.
-pub fn scratch(name: &str) -> PathBuf {
+/// A scratch directory unique to this test process and name, removed when the test is done with
+/// it ([`Scratch`]).
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("h2o-llama-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// A test's scratch directory: removed when dropped, so that passing runs leave nothing in the
+/// temporary directory; kept when the test panicked, for a look at what it left.
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// Largest |a[i] − b[i]| of two logit vectors of the same length.
