@@ -9,14 +9,28 @@
 #
 #   scripts/cuda-compile-check.sh          # h2o-attn.cu, h2o-decode.cu and ggml-cuda.cu: a few minutes
 #   scripts/cuda-compile-check.sh --all    # every unit of ggml-cuda: hours on 2 cores
+#   scripts/cuda-compile-check.sh --cubin DIR  # also the H2O units' device code as cubins in DIR
 #   CUDA_ARCHS="80;90" scripts/cuda-compile-check.sh
+#
+# --cubin is for changes that should not change the machine code (a kernel split into functions, a
+# header moved): run it before and after, then `cmp` the cubins; identical files run identically on
+# every GPU of those architectures (docs/development.md).
 #
 # Not part of CI: it downloads the toolkit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 all=0
-[ "${1:-}" = "--all" ] && all=1
+cubin_dir=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --all) all=1 ;;
+    --cubin) [ $# -ge 2 ] || { echo "cuda-compile-check.sh: --cubin needs a directory" >&2; exit 2; }
+             cubin_dir="$2"; shift ;;
+    *) echo "cuda-compile-check.sh: unknown argument $1 (--all, --cubin DIR)" >&2; exit 2 ;;
+    esac
+    shift
+done
 target="${CARGO_TARGET_DIR:-target}"
 cuda=$(scripts/cuda-toolkit.sh)
 archs="${CUDA_ARCHS:-90}"
@@ -36,13 +50,13 @@ for a in "${arch_list[@]}"; do
 done
 
 # what ggml/src/ggml-cuda/CMakeLists.txt passes for a default build
-flags=(
+common=(
     -std=c++17 -O3 -DNDEBUG -use_fast_math -extended-lambda --compiler-options=-fPIC
     -DGGML_USE_CUDA -DGGML_CUDA_USE_GRAPHS -DGGML_CUDA_PEER_MAX_BATCH_SIZE=128
     -DGGML_SCHED_MAX_COPIES=4 -D_GNU_SOURCE -D_XOPEN_SOURCE=600
     -I"$tree/ggml/include" -I"$tree/ggml/src" -I"$tree/ggml/src/ggml-cuda"
-    "${gencode[@]}"
 )
+flags=("${common[@]}" "${gencode[@]}")
 
 units=("$tree/ggml/src/ggml-cuda/h2o-attn.cu" "$tree/ggml/src/ggml-cuda/h2o-decode.cu" "$tree/ggml/src/ggml-cuda/ggml-cuda.cu")
 if [ "$all" = 1 ]; then
@@ -58,4 +72,14 @@ for u in "${units[@]}"; do
     "$cuda/bin/nvcc" "${flags[@]}" -c "$u" -o "$out/$(basename "$u").o"
     echo "   ok in $((SECONDS - start)) s" >&2
 done
+if [ -n "$cubin_dir" ]; then
+    mkdir -p "$cubin_dir"
+    for a in "${arch_list[@]}"; do
+        for u in h2o-attn h2o-decode; do
+            "$cuda/bin/nvcc" "${common[@]}" -arch="sm_$a" -cubin "$tree/ggml/src/ggml-cuda/$u.cu" \
+                -o "$cubin_dir/$u.sm_$a.cubin"
+            echo "   $cubin_dir/$u.sm_$a.cubin" >&2
+        done
+    done
+fi
 echo "== CUDA compile check passed: ${#units[@]} unit(s) for sm_${archs//;/, sm_}" >&2
