@@ -66,7 +66,8 @@ pub fn header_digests(tree: &Path, gen_dir: &Path) -> BTreeMap<&'static str, Vec
 }
 
 /// Locates the object cache: `<target dir>/h2o-llama-objcache`, shared by debug, release and
-/// the `stock` flavour so that only translation units whose inputs differ are compiled twice.
+/// the `stock` flavour so that only translation units whose inputs differ are compiled twice
+/// (between the two flavours, every unit: the hooks change a header of each group).
 pub fn object_cache_dir(out_dir: &Path) -> PathBuf {
     if let Some(dir) = env::var_os("H2O_LLAMA_OBJ_CACHE") {
         return PathBuf::from(dir);
