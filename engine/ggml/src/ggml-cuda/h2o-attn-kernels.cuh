@@ -1,9 +1,9 @@
 #pragma once
 
 // The CUDA kernels of GGML_OP_H2O_ATTN (one header each, included below) and the host walk over the chunks of a
-// batch. These headers need nothing but the CUDA runtime, so that a standalone program (tests/cpp/bench-h2o-cuda-op.cu) can check
-// and time the kernels against each other without building all of ggml-cuda; h2o-attn.cu adapts it to
-// ggml's tensors and memory pool.
+// batch. These headers need nothing but the CUDA runtime, so that a standalone program
+// (tests/cpp/bench-h2o-cuda-op.cu) can check and time the kernels against each other without building all of
+// ggml-cuda; h2o-attn.cu adapts the walk to ggml's tensors and memory pool.
 //
 // Per chunk c = [cs, cs + S) of the batch the host launches
 //   1. h2o_attn_mma (head sizes 64 and 128) or h2o_attn_generic (any other): causal attention inside the

@@ -33,8 +33,9 @@ static size_t h2o_mma_smem_bytes(int D, int M) {
         + (size_t) M*sizeof(int32_t);                               // the memory set
 }
 
-// The n_slots slots of the memory set of head ih (tile b's with coverage selection) into mem_s, -1 where a slot cannot be read (before the chunk at cs). Returns
-// whether every slot is readable and they fill whole key tiles: then no memory tile needs a mask.
+// The n_slots slots of the memory set of head ih (tile b's with coverage selection) into mem_s, -1 where a slot
+// cannot be read (before the chunk at cs). Returns whether every slot is readable and they fill whole key tiles:
+// then no memory tile needs a mask.
 static __device__ __forceinline__ bool h2o_mma_load_memory(int32_t * mem_s, const int32_t * mem, size_t nbm1,
         size_t nbm_tile, int ih, int b, int n_slots, int cs, bool has_memory, int tid) {
     bool memory_full = true;
