@@ -102,12 +102,12 @@ struct h2o_mma_tiles {
     int             n_slots;
     int             n_tiles;
 
-    __device__ h2o_mma_tiles(const char * k, const char * v, int ikv, size_t nbk1, size_t nbk2, size_t nbv1, size_t nbv2,
-            const int32_t * mem_s, int32_t * kpos, half * Ks, half * Vs, int cs, int i_last, int n_intra, int n_slots,
-            int n_tiles, int tid) :
-        ld_ch(tid%CPR), ld_r0(tid/CPR), k_base(k + (size_t) ikv*nbk1 + 16*ld_ch), v_base(v + (size_t) ikv*nbv1 + 16*ld_ch),
-        nbk2(nbk2), nbv2(nbv2), mem_s(mem_s), kpos(kpos), Ks(Ks), Vs(Vs), cs(cs), i_last(i_last), n_intra(n_intra),
-        n_slots(n_slots), n_tiles(n_tiles) {}
+    __device__ h2o_mma_tiles(const char * k, const char * v, int ikv, size_t nbk1, size_t nbk2, size_t nbv1,
+            size_t nbv2, const int32_t * mem_s, int32_t * kpos, half * Ks, half * Vs, int cs, int i_last, int n_intra,
+            int n_slots, int n_tiles, int tid) :
+        ld_ch(tid%CPR), ld_r0(tid/CPR), k_base(k + (size_t) ikv*nbk1 + 16*ld_ch),
+        v_base(v + (size_t) ikv*nbv1 + 16*ld_ch), nbk2(nbk2), nbv2(nbv2), mem_s(mem_s), kpos(kpos), Ks(Ks), Vs(Vs),
+        cs(cs), i_last(i_last), n_intra(n_intra), n_slots(n_slots), n_tiles(n_tiles) {}
 
     // tile u of the two sweeps (u < n_tiles: sweep 1, K only; else sweep 2, K and V) into stage st
     __device__ __forceinline__ void load(int u, int st) const {
@@ -143,8 +143,8 @@ struct h2o_mma_tiles {
 // s = Q·K^T of the warp's 16 rows and the 64 keys of ks; k-steps outside, so that consecutive products go to the 8
 // independent accumulators and overlap
 template <int D>
-static __device__ __forceinline__ void h2o_mma_logits(float (&s)[8][4], const half * Qh, const half * Ql, const half * ks,
-        int warp, int lane) {
+static __device__ __forceinline__ void h2o_mma_logits(float (&s)[8][4], const half * Qh, const half * Ql,
+        const half * ks, int warp, int lane) {
     constexpr int SD = h2o_mma_stride(D);
     constexpr int NK = D/16; // k-steps of Q·K^T
 #pragma unroll
@@ -300,8 +300,8 @@ static __device__ __forceinline__ void h2o_mma_probs_values(float (&s)[8][4], fl
 
 // the output of the thread's two rows (those in the batch, valid0 and valid1), already the softmax over both parts
 template <int D>
-static __device__ __forceinline__ void h2o_mma_store_rows(float * dst, const float (&o)[D/8][4], size_t nbd1, size_t nbd2,
-        int ih, int p0, int row0, int row1, bool valid0, bool valid1, int c4) {
+static __device__ __forceinline__ void h2o_mma_store_rows(float * dst, const float (&o)[D/8][4], size_t nbd1,
+        size_t nbd2, int ih, int p0, int row0, int row1, bool valid0, bool valid1, int c4) {
     constexpr int ND = D/8;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -372,18 +372,15 @@ static __global__ void h2o_attn_mma(
     const bool valid0 = row0 >= r_begin && row0 < q_end;
     const bool valid1 = row1 >= r_begin && row1 < q_end;
 
-    // Q scaled by scale·log2(e) (the softmax runs in base 2), as the sum of two F16 parts: Q·K^T as two products
-    // is then as exact as the CPU's F32 one, which keeps near-tied scores in the CPU's order far more often
-    // than F16 operands alone would (llama.cpp's flash attention rounds Q to F16). Rows past the batch are zero.
+    // Q in base-2 units, as two F16 parts
     h2o_mma_load_q<D>(Qh, Ql, q, nbq1, nbq2, ih, p0, tile_begin, r_begin, q_end, scale_log2, tid);
 
     // the key tiles of both sweeps, by cp.async into two stages: each thread copies the same 16-byte column
-    const h2o_mma_tiles<D> tiles(k, v, ikv, nbk1, nbk2, nbv1, nbv2, mem_s, kpos, Ks, Vs, cs, i_last, n_intra, n_slots, n_tiles,
-            tid);
+    const h2o_mma_tiles<D> tiles(k, v, ikv, nbk1, nbk2, nbv1, nbv2, mem_s, kpos, Ks, Vs, cs, i_last, n_intra, n_slots,
+            n_tiles, tid);
     const auto load_tile = [&](int u, int st) { tiles.load(u, st); };
 
-    // s = Q·K^T of the tile in stage st, masked keys -inf; k-steps outside, so that consecutive products go to
-    // the 8 independent accumulators and overlap
+    // s = the logits of tile t in stage st (base 2, soft-capped), masked keys -inf
     float s[8][4];
     const auto logits = [&](int t, int st) {
         h2o_mma_logits<D>(s, Qh, Ql, Ks + st*KT*SD, warp, lane);

@@ -120,8 +120,8 @@ static __device__ __forceinline__ int h2o_select_sample(int * sample, float * q_
 }
 
 // every warp's running maximum and sum of every sampled query, before sweep 1
-static __device__ __forceinline__ void h2o_select_reset_rows(float (*row_m)[H2O_SAMPLE_MAX], float (*row_l)[H2O_SAMPLE_MAX],
-        int tid) {
+static __device__ __forceinline__ void h2o_select_reset_rows(float (*row_m)[H2O_SAMPLE_MAX],
+        float (*row_l)[H2O_SAMPLE_MAX], int tid) {
     for (int i = tid; i < H2O_SELECT_WARPS*H2O_SAMPLE_MAX; i += blockDim.x) {
         row_m[i/H2O_SAMPLE_MAX][i%H2O_SAMPLE_MAX] = -INFINITY;
         row_l[i/H2O_SAMPLE_MAX][i%H2O_SAMPLE_MAX] = 0.0f;
@@ -130,9 +130,9 @@ static __device__ __forceinline__ void h2o_select_reset_rows(float (*row_m)[H2O_
 
 // sweep 1: per sampled query, the maximum and the sum of exp over the bound logits of the nb blocks from b0, per warp
 // (online, each warp taking blocks in turn), then over the warps into row_m[0] and row_l[0]
-static __device__ __forceinline__ void h2o_select_row_stats(float (*row_m)[H2O_SAMPLE_MAX], float (*row_l)[H2O_SAMPLE_MAX],
-        float (*x_w)[H2O_SAMPLE_MAX], const float * q_s, int n_q, const char * k_h, size_t nbk2, int D, int b0, int nb,
-        int cand_begin, int cand_end, bool mean, int tid, int lane, int warp) {
+static __device__ __forceinline__ void h2o_select_row_stats(float (*row_m)[H2O_SAMPLE_MAX],
+        float (*row_l)[H2O_SAMPLE_MAX], float (*x_w)[H2O_SAMPLE_MAX], const float * q_s, int n_q, const char * k_h,
+        size_t nbk2, int D, int b0, int nb, int cand_begin, int cand_end, bool mean, int tid, int lane, int warp) {
     for (int b = warp; b < nb; b += H2O_SELECT_WARPS) {
         int pb, pe;
         h2o_select_block_range(b, b0, cand_begin, cand_end, pb, pe);
@@ -165,8 +165,9 @@ static __device__ __forceinline__ void h2o_select_row_stats(float (*row_m)[H2O_S
 // sweep 2: each block's score, its share in the softmax of every sampled query (row_m[0], row_l[0]) summed over the
 // queries in sample order; NaN as -inf
 static __device__ __forceinline__ void h2o_select_block_scores(float * score, float (*x_w)[H2O_SAMPLE_MAX],
-        const float (*row_m)[H2O_SAMPLE_MAX], const float (*row_l)[H2O_SAMPLE_MAX], const float * q_s, int n_q, const char * k_h, size_t nbk2, int D, int b0,
-        int nb, int cand_begin, int cand_end, bool mean, int lane, int warp) {
+        const float (*row_m)[H2O_SAMPLE_MAX], const float (*row_l)[H2O_SAMPLE_MAX], const float * q_s, int n_q,
+        const char * k_h, size_t nbk2, int D, int b0, int nb, int cand_begin, int cand_end, bool mean, int lane,
+        int warp) {
     for (int b = warp; b < nb; b += H2O_SELECT_WARPS) {
         int pb, pe;
         h2o_select_block_range(b, b0, cand_begin, cand_end, pb, pe);
@@ -202,9 +203,9 @@ static __device__ __forceinline__ void h2o_select_sort_picks(int * pick_begin, i
 // The hybrid's other half: the candidates outside the picked blocks with the highest accumulated scores sc, ties to
 // the lower position, as many as the budget leaves after the blocks, found by a two-pass radix select over their
 // 16-bit keys (hist, sel) and compacted in position order into by_score_pos; their count into n_by_score.
-static __device__ __forceinline__ void h2o_select_by_score(const uint16_t * sc, int cand_begin, int cand_end, int budget,
-        const int * pick_begin, const int * pick_end, const int & n_pick, int * hist, int * sel, int * warp_sums,
-        int32_t * by_score_pos, int & n_by_score) {
+static __device__ __forceinline__ void h2o_select_by_score(const uint16_t * sc, int cand_begin, int cand_end,
+        int budget, const int * pick_begin, const int * pick_end, const int & n_pick, int * hist, int * sel,
+        int * warp_sums, int32_t * by_score_pos, int & n_by_score) {
     const int tid = threadIdx.x;
     int in_blocks = 0;
     for (int i = 0; i < n_pick; ++i) {
@@ -362,10 +363,10 @@ static __global__ void h2o_select_query(const char * q, const char * k, int32_t 
             pb = max((b0 + b)*H2O_SELECT_BLOCK, cand_begin);
             pe = min((b0 + b + 1)*H2O_SELECT_BLOCK, cand_end);
         };
-        h2o_select_row_stats(row_m, row_l, x_w, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, mean, tid, lane, warp);
-
-        h2o_select_block_scores(score, x_w, row_m, row_l, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, mean, lane,
+        h2o_select_row_stats(row_m, row_l, x_w, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, mean, tid, lane,
                 warp);
+        h2o_select_block_scores(score, x_w, row_m, row_l, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, mean,
+                lane, warp);
 
         // the best blocks, one at a time (ties to the lower block), until their part of the budget is spent
         int left = budget - by_score;
