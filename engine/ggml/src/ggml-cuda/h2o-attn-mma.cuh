@@ -378,7 +378,6 @@ static __global__ void h2o_attn_mma(
     // the key tiles of both sweeps, by cp.async into two stages: each thread copies the same 16-byte column
     const h2o_mma_tiles<D> tiles(k, v, ikv, nbk1, nbk2, nbv1, nbv2, mem_s, kpos, Ks, Vs, cs, i_last, n_intra, n_slots,
             n_tiles, tid);
-    const auto load_tile = [&](int u, int st) { tiles.load(u, st); };
 
     // s = the logits of tile t in stage st (base 2, soft-capped), masked keys -inf
     float s[8][4];
@@ -430,14 +429,14 @@ static __global__ void h2o_attn_mma(
         pending_j = -1;
     };
 
-    load_tile(0, 0);
+    tiles.load(0, 0);
     for (int u = 0; u < 2*n_tiles; ++u) {
         const int st = u & 1;
         // tile u has landed, and every warp is done with tile u - 1, whose stage the next copy overwrites
         h2o_cp_async_wait<0>();
         __syncthreads();
         if (u + 1 < 2*n_tiles) {
-            load_tile(u + 1, st ^ 1);
+            tiles.load(u + 1, st ^ 1);
         }
         flush_column_sums(st ^ 1);
 
