@@ -30,22 +30,50 @@ static int64_t h2o_n_blocks(int64_t n) {
     return (n + H2O_KB - 1)/H2O_KB;
 }
 
+// How many rows ahead h2o_pack_k asks for a row's cache lines: the rows it gathers (a tile's candidates) lie apart in
+// the cache, where the hardware prefetcher does not follow, and each would otherwise wait for memory
+static constexpr int64_t H2O_PACK_AHEAD = 8;
+
 // n K rows -> F32 blocks [block][D][H2O_KB]: keys contiguous, the GEMM's SIMD dimension;
 // padding and rows for which k_row() gives none are zero
 template <typename KRow>
 static void h2o_pack_k(float * dst, int64_t n, int64_t D, KRow && k_row) {
     thread_local std::vector<float> row;
     row.resize(D);
-    std::fill(dst, dst + h2o_n_blocks(n)*D*H2O_KB, 0.0f);
+    const auto zero_key = [&](int64_t j) {
+        float * col = dst + (j/H2O_KB)*D*H2O_KB + j%H2O_KB;
+        for (int64_t d = 0; d < D; ++d) {
+            col[d*H2O_KB] = 0.0f;
+        }
+    };
+    size_t row_bytes = 0; // of the rows' type, once a row is seen
     for (int64_t j = 0; j < n; ++j) {
         const h2o_row kr = k_row(j);
         if (kr.data == nullptr) {
+            zero_key(j);
             continue;
         }
+        if (row_bytes == 0) {
+            row_bytes = ggml_row_size(kr.type->type, D);
+        }
+#if defined(__GNUC__)
+        if (j + H2O_PACK_AHEAD < n) {
+            const h2o_row ahead = k_row(j + H2O_PACK_AHEAD);
+            for (size_t o = 0; ahead.data != nullptr && o < row_bytes; o += 64) {
+                __builtin_prefetch((const char *) ahead.data + o);
+            }
+        }
+#endif
         kr.type->to_f32(kr.data, row.data(), D);
         float * col = dst + (j/H2O_KB)*D*H2O_KB + j%H2O_KB;
         for (int64_t d = 0; d < D; ++d) {
             col[d*H2O_KB] = row[d];
+        }
+    }
+    if (n % H2O_KB != 0) {
+        float * last = dst + (n/H2O_KB)*D*H2O_KB;
+        for (int64_t d = 0; d < D; ++d) {
+            std::fill(last + d*H2O_KB + n%H2O_KB, last + (d + 1)*H2O_KB, 0.0f);
         }
     }
 }
