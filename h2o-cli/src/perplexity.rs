@@ -6,10 +6,12 @@
 //! shows is bit-identical to the stock build; `scripts/ppl-vs-stock.sh` also runs the stock
 //! build itself.
 
+use std::cell::Cell;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use h2o_flags::{EngineFlags, H2oFlags};
@@ -153,23 +155,39 @@ fn session_config(args: &PerplexityArgs, model: Option<&Model>) -> SessionConfig
     config
 }
 
-/// A one-line progress display on stderr when it is a terminal (and not `--json`); `done()`
-/// clears it.
-struct ProgressLine(bool);
+/// Progress on stderr, `--json` or not (the record is on stdout): a line that redraws itself on a
+/// terminal, in a log a line when the run starts and then at most one every
+/// `ProgressLine::LOG_EVERY`; `done()` clears a terminal's line.
+struct ProgressLine {
+    redraw: bool,
+    last_logged: Cell<Option<Instant>>,
+}
 
 impl ProgressLine {
-    fn new(args: &PerplexityArgs) -> Self {
-        Self(!args.json && std::io::stderr().is_terminal())
+    const LOG_EVERY: Duration = Duration::from_secs(15);
+
+    fn new() -> Self {
+        Self {
+            redraw: std::io::stderr().is_terminal(),
+            last_logged: Cell::new(None),
+        }
     }
 
     fn show(&self, msg: &str) {
-        if self.0 {
+        if self.redraw {
             eprint!("\r\x1b[Kperplexity: {msg}");
+        } else if self
+            .last_logged
+            .get()
+            .is_none_or(|t| t.elapsed() >= Self::LOG_EVERY)
+        {
+            eprintln!("h2o-cli perplexity: {msg}");
+            self.last_logged.set(Some(Instant::now()));
         }
     }
 
     fn done(&self) {
-        if self.0 {
+        if self.redraw {
             eprint!("\r\x1b[K");
         }
     }
@@ -212,7 +230,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         far_context: args.far_context,
         speed_reps: args.speed.unwrap_or(0),
     };
-    let progress = ProgressLine::new(args);
+    let progress = ProgressLine::new();
     let scored = perplexity::perplexity(
         &model,
         &tokens,
@@ -293,7 +311,7 @@ fn run_decode_tail(args: &PerplexityArgs, tail: usize, interrupt: Arc<AtomicBool
         ..session_config(args, Some(&model))
     };
     let tokens = model.tokenize(&text, true, false)?;
-    let progress = ProgressLine::new(args);
+    let progress = ProgressLine::new();
     let r = decode_tail::decode_tail(
         &model,
         &tokens,

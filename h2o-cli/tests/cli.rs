@@ -882,6 +882,12 @@ fn perplexity_scores_h2o_against_full_attention() {
     };
     let o = perplexity(&[]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // progress on stderr with --json too; not a terminal here, so a log line
+    assert!(
+        stderr(&o).contains("h2o-cli perplexity: window 1/1"),
+        "{}",
+        stderr(&o)
+    );
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(r["windows"], 1);
     assert_eq!(r["whole"]["positions"], 511);
