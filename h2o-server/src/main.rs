@@ -340,11 +340,18 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     } else {
         checked?;
     }
+    // -c 0: each slot gets the model's training context, which only the loaded model tells;
+    // where it is too short for H2O to pay, the engine takes this full-attention session instead
+    let session_if_short = (h2o_auto && ctx_size == 0).then(|| SessionConfig {
+        n_ctx: per_slot,
+        ..cli.engine.session_config(None)
+    });
     Ok(EngineConfig {
         model_path,
         n_ctx: ctx_size,
         n_parallel: cli.parallel,
         session: slot,
+        session_if_short,
         n_gpu_layers: cli.engine.n_gpu_layers,
         queue_capacity: cli.queue,
         chat_template: cli.chat_template.clone(),
@@ -605,6 +612,13 @@ mod tests {
             assert_eq!(c.session.h2o, Some(H2oConfig::automatic()), "{args:?}");
             assert_eq!((c.session.n_batch, c.session.n_ubatch), (4096, 1024));
         }
+        // with the model's context (-c 0), full attention ready for a model trained on less
+        let short = config(&[]).session_if_short.unwrap();
+        assert_eq!(short.h2o, None);
+        assert_eq!((short.n_batch, short.n_ubatch), (2048, 512));
+        assert!(config(&["-c", "32768", "-np", "4"])
+            .session_if_short
+            .is_none());
         // slots shorter than a prompt H2O pays on, full-attention features, or --h2o off
         for args in [
             &["-c", "8192", "-np", "4"][..],

@@ -788,6 +788,38 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
     refused_at_start(&["--h2o", "off", "--h2o-decode", "sparse"], "need H2O on");
 }
 
+/// Left to decide with the model's own context (`-c 0`, the default), the server keeps full
+/// attention for a model trained on fewer tokens than H2O pays on, and turns H2O on for the same
+/// model trained on 4,096: the training context, which only the loaded model tells, decides.
+#[test]
+fn a_model_trained_on_a_short_context_keeps_full_attention() {
+    let _engine = one_engine_at_a_time();
+    let dir = scratch("server-training-context");
+    for (n_ctx_train, h2o_on) in [(2048_u32, false), (4096, true)] {
+        let path = dir.join(format!("llama-{n_ctx_train}.gguf"));
+        let mut tiny = tiny_models::llama_gqa();
+        tiny.gguf.set("llama.context_length", n_ctx_train);
+        tiny.gguf.write(&path).unwrap();
+        let server = Server::start_model(path.to_str().unwrap(), &["-np", "1"], None);
+        let setup = server.log_text();
+        assert!(
+            setup.contains(&format!("1 slot x {n_ctx_train} tokens")),
+            "{setup}"
+        );
+        let says = if h2o_on {
+            "select=coverage"
+        } else {
+            "full attention (H2O left off"
+        };
+        assert!(setup.contains(says), "{n_ctx_train}: {setup}");
+        let body = json!({"prompt": "Hello there", "n_predict": 2, "temperature": 0});
+        let (status, v) = post(&server, "/completion", &body);
+        assert_eq!(status, 200, "{v}");
+        let policy = if h2o_on { "coverage" } else { "full" };
+        assert_eq!(v["timings"]["h2o_policy"], policy, "{n_ctx_train}: {v}");
+    }
+}
+
 /// Left to decide, the server starts with H2O on (the setup line says so): the recommended
 /// configuration, whose prompts of more than a chunk run sparse, and a conversation's next turn
 /// still reuses its cached prefix.

@@ -29,6 +29,10 @@ pub struct EngineConfig {
     /// Every slot's session: batches, threads, flash attention, cache types and H2O (its
     /// `n_ctx` is the slot's, which the engine derives from `n_ctx` above).
     pub session: SessionConfig,
+    /// Where H2O turned on by itself with `n_ctx` 0: the slots' session instead when the
+    /// model's training context, which each slot then gets, holds no prompt long enough for H2O
+    /// (`H2oConfig::automatic_for`): full attention with the flags' full-attention batches.
+    pub session_if_short: Option<SessionConfig>,
     pub n_gpu_layers: i32,
     /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
     pub queue_capacity: usize,

@@ -200,11 +200,16 @@ fn run(
         c if config.kv_unified => c,
         c => (c / config.n_parallel).max(1),
     };
+    // -c 0 gives each slot the model's context, known only now
+    let session = match &config.session_if_short {
+        Some(short) if !H2oConfig::automatic_for(model.n_ctx_train() as usize) => short,
+        _ => &config.session,
+    };
     let session_config = SessionConfig {
         n_ctx: n_slot_ctx,
         // a slot's next request cuts its sequence back to a chunk boundary inside the prompt
-        h2o_undo_log: config.session.h2o.is_some_and(|h| h.is_enabled()),
-        ..config.session.clone()
+        h2o_undo_log: session.h2o.is_some_and(|h| h.is_enabled()),
+        ..session.clone()
     };
     let session = if config.kv_unified {
         ParallelSession::with_unified_cache(model, session_config, config.n_parallel)

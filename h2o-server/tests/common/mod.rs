@@ -35,6 +35,8 @@ pub const SLOT_CTX: usize = 1024;
 #[path = "../../../tests/common/mod.rs"]
 mod library;
 pub use library::one_engine_at_a_time;
+#[allow(unused_imports)] // for the tests that make their own model
+pub use library::{scratch, tiny_models};
 
 /// Path of the verified default model (fetched with pip on first use, as the library's tests).
 pub fn model_path() -> String {
@@ -65,6 +67,11 @@ impl Server {
     /// (`prlimit --fsize`), SIGXFSZ ignored: a write past the limit fails as a write to a full
     /// disk does.
     pub fn start_limited(args: &[&str], file_size: Option<u64>) -> Server {
+        Self::start_model(&model_path(), args, file_size)
+    }
+
+    /// [`Server::start_limited`] with the model `model` in place of the default one.
+    pub fn start_model(model: &str, args: &[&str], file_size: Option<u64>) -> Server {
         let bin = env!("CARGO_BIN_EXE_h2o-server");
         let mut cmd = match file_size {
             None => Command::new(bin),
@@ -79,7 +86,7 @@ impl Server {
             }
         };
         let mut child = cmd
-            .args(["-m", &model_path(), "--port", "0"])
+            .args(["-m", model, "--port", "0"])
             .args(args)
             .env_remove("H2O_SERVER_API_KEY")
             .stdout(Stdio::null())
