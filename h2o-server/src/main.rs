@@ -341,11 +341,26 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         checked?;
     }
     // -c 0: each slot gets the model's training context, which only the loaded model tells;
-    // where it is too short for H2O to pay, the engine takes this full-attention session instead
-    let session_if_short = (h2o_auto && ctx_size == 0).then(|| SessionConfig {
-        n_ctx: per_slot,
-        ..cli.engine.session_config(None)
+    // where it is too short for H2O to pay, the engine takes this full-attention session instead;
+    // an -ub given for H2O's chunks raises the full-attention -b left out (2,048) to it, so that
+    // the session a short model gets cannot fail on flags that the long one took
+    let session_if_short = (h2o_auto && ctx_size == 0).then(|| {
+        let full = cli.engine.session_config(None);
+        SessionConfig {
+            n_ctx: per_slot,
+            n_batch: match cli.engine.batch_size {
+                Some(b) => b,
+                None => full.n_batch.max(full.n_ubatch),
+            },
+            ..full
+        }
     });
+    if let Some(short) = &session_if_short {
+        short.validate().context(
+            "with -c left out, a model trained on fewer than 4,096 tokens runs full attention \
+             with these flags",
+        )?;
+    }
     Ok(EngineConfig {
         model_path,
         n_ctx: ctx_size,
@@ -616,6 +631,14 @@ mod tests {
         let short = config(&[]).session_if_short.unwrap();
         assert_eq!(short.h2o, None);
         assert_eq!((short.n_batch, short.n_ubatch), (2048, 512));
+        // an -ub for H2O's chunks raises the full-attention batch left out, -b given stays
+        let short = config(&["-ub", "4096"]).session_if_short.unwrap();
+        assert_eq!((short.n_batch, short.n_ubatch), (4096, 4096));
+        assert!(short.validate().is_ok());
+        let short = config(&["-b", "8192", "-ub", "2048"])
+            .session_if_short
+            .unwrap();
+        assert_eq!((short.n_batch, short.n_ubatch), (8192, 2048));
         assert!(config(&["-c", "32768", "-np", "4"])
             .session_if_short
             .is_none());
