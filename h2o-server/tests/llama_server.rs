@@ -795,12 +795,17 @@ fn sparse_decode_reads_fewer_keys_and_says_how_many() {
 fn a_model_trained_on_a_short_context_keeps_full_attention() {
     let _engine = one_engine_at_a_time();
     let dir = scratch("server-training-context");
-    for (n_ctx_train, h2o_on) in [(2048_u32, false), (4096, true)] {
+    // an -ub for H2O's chunks above full attention's -b (2,048) starts the short model too
+    for (n_ctx_train, args, h2o_on) in [
+        (2048_u32, &["-np", "1"][..], false),
+        (2048, &["-np", "1", "-ub", "4096"], false),
+        (4096, &["-np", "1"], true),
+    ] {
         let path = dir.join(format!("llama-{n_ctx_train}.gguf"));
         let mut tiny = tiny_models::llama_gqa();
         tiny.gguf.set("llama.context_length", n_ctx_train);
         tiny.gguf.write(&path).unwrap();
-        let server = Server::start_model(path.to_str().unwrap(), &["-np", "1"], None);
+        let server = Server::start_model(path.to_str().unwrap(), args, None);
         let setup = server.log_text();
         assert!(
             setup.contains(&format!("1 slot x {n_ctx_train} tokens")),
