@@ -21,7 +21,7 @@ pub struct EngineFlags {
     #[arg(short = 'c', long = "ctx-size", value_name = "N")]
     pub ctx_size: Option<u32>,
     /// Logical batch: most tokens per llama_decode call (-b) [default: 4096 with H2O on, 2048
-    /// with full attention]
+    /// with full attention; never below -ub]
     #[arg(short = 'b', long = "batch-size", value_name = "N")]
     pub batch_size: Option<u32>,
     /// Physical batch, also the H2O chunk size S (-ub) [default: 1024 with H2O on, 512 with full
@@ -71,10 +71,13 @@ impl EngineFlags {
         self.ctx_size.unwrap_or(0)
     }
 
-    /// `-b`, or [`Self::H2O_BATCH`] with H2O and [`Self::BATCH`] without.
+    /// `-b`, or [`Self::H2O_BATCH`] with H2O and [`Self::BATCH`] without, but never below an
+    /// `-ub` given (a left-out default does not turn a valid `-ub` into an error).
     pub fn batch_size(&self, h2o: bool) -> u32 {
-        self.batch_size
-            .unwrap_or(if h2o { Self::H2O_BATCH } else { Self::BATCH })
+        self.batch_size.unwrap_or_else(|| {
+            let batch = if h2o { Self::H2O_BATCH } else { Self::BATCH };
+            batch.max(self.ubatch_size.unwrap_or(0))
+        })
     }
 
     /// `-ub`, or [`Self::H2O_UBATCH`] with H2O and [`Self::UBATCH`] without, but never above
@@ -187,6 +190,22 @@ mod tests {
         let flags = parse(&["-b", "256", "--ubatch-size", "128"]);
         assert_eq!(flags.ubatch_size(true), 128);
         assert_eq!(flags.session_config(None).n_ubatch, 128);
+        // -b left out never falls below -ub given (an -ub 4096 for H2O's chunks stays valid
+        // with full attention); given, it is the user's, and -ub above it is refused later
+        let flags = parse(&["--ubatch-size", "4096"]);
+        assert_eq!(
+            (flags.batch_size(false), flags.batch_size(true)),
+            (4096, 4096)
+        );
+        let flags = parse(&["--ubatch-size", "8192"]);
+        assert_eq!(flags.batch_size(true), 8192);
+        let flags = parse(&["--ubatch-size", "256"]);
+        assert_eq!(
+            (flags.batch_size(false), flags.batch_size(true)),
+            (2048, 4096)
+        );
+        let flags = parse(&["-b", "256", "--ubatch-size", "512"]);
+        assert_eq!(flags.session_config(None).n_batch, 256);
         let compared = parse(&[]).compared_session_config();
         assert_eq!(
             (compared.n_batch, compared.n_ubatch, compared.h2o),

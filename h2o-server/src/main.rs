@@ -341,26 +341,11 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         checked?;
     }
     // -c 0: each slot gets the model's training context, which only the loaded model tells;
-    // where it is too short for H2O to pay, the engine takes this full-attention session instead;
-    // an -ub given for H2O's chunks raises the full-attention -b left out (2,048) to it, so that
-    // the session a short model gets cannot fail on flags that the long one took
-    let session_if_short = (h2o_auto && ctx_size == 0).then(|| {
-        let full = cli.engine.session_config(None);
-        SessionConfig {
-            n_ctx: per_slot,
-            n_batch: match cli.engine.batch_size {
-                Some(b) => b,
-                None => full.n_batch.max(full.n_ubatch),
-            },
-            ..full
-        }
+    // where it is too short for H2O to pay, the engine takes this full-attention session instead
+    let session_if_short = (h2o_auto && ctx_size == 0).then(|| SessionConfig {
+        n_ctx: per_slot,
+        ..cli.engine.session_config(None)
     });
-    if let Some(short) = &session_if_short {
-        short.validate().context(
-            "with -c left out, a model trained on fewer than 4,096 tokens runs full attention \
-             with these flags",
-        )?;
-    }
     Ok(EngineConfig {
         model_path,
         n_ctx: ctx_size,
