@@ -146,7 +146,7 @@ const UNITS: &[Group] = &[
     Group {
         dir: "ggml/src/ggml-cpu",
         arch: &[],
-        sources: Sources::Listed(&["h2o-attn.cpp", "h2o-decode.cpp"]),
+        sources: Sources::Listed(&["h2o-attn.cpp", "h2o-coverage.cpp", "h2o-decode.cpp"]),
         headers: "ggml",
         patched_only: true,
     },

@@ -2,7 +2,8 @@
 
 // What the H2O ops share: reading the cache's K/V rows of any type, each head's logit parameters,
 // a vectorisable maximum and the strongest channels of a key sketch. The prefill attention
-// (h2o-attn.cpp) and the sparse decode (h2o-decode.cpp) include it.
+// (h2o-attn.cpp, h2o-coverage.cpp and their h2o-tile.h) and the sparse decode (h2o-decode.cpp)
+// include it.
 
 #include "ggml-cpu.h"
 #include "ggml-impl.h"
