@@ -34,6 +34,14 @@ pub fn init() {
     });
 }
 
+/// Whether this build of llama.cpp can run layers on a GPU (a CUDA build that found a device):
+/// where it cannot, `-ngl` (`ModelParams::n_gpu_layers`) leaves every layer on the CPU.
+pub fn gpu_offload_supported() -> bool {
+    init();
+    // SAFETY: a query of the registered backends, which init() has set up.
+    unsafe { sys::llama_supports_gpu_offload() }
+}
+
 /// Echo llama.cpp's own log lines to stderr (default off unless `H2O_LLAMA_LOG=1`).
 pub fn set_log_echo(on: bool) {
     ECHO.store(on, Ordering::Relaxed);
@@ -78,5 +86,19 @@ unsafe extern "C" fn log_sink(level: sys::ggml_log_level, text: *const c_char, _
             recent.pop_front();
         }
         recent.push_back((level == sys::GGML_LOG_LEVEL_ERROR, msg.into_owned()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// h2o-cli and h2o-server turn H2O on by themselves only with the layers on the CPU; a build
+    /// without CUDA must say that it has no GPU, so that `-ngl` there changes nothing.
+    #[test]
+    fn a_build_without_cuda_cannot_offload() {
+        if !cfg!(feature = "cuda") {
+            assert!(!gpu_offload_supported());
+        }
     }
 }

@@ -44,7 +44,7 @@ pub mod research;
 mod sampler;
 mod session;
 
-pub use backend::set_log_echo;
+pub use backend::{gpu_offload_supported, set_log_echo};
 pub use cache_type::CacheType;
 pub use capture::{AttentionCapture, DecodeCapture};
 pub use chat::ChatMessage;

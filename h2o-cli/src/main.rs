@@ -242,7 +242,11 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
         if let H2oChoice::Auto { .. } = cli.h2o.choice()? {
             eprintln!(
                 "h2o-cli: {}",
-                auto_note(session.config().h2o.is_some(), prompt.len())
+                auto_note(
+                    session.config().h2o.is_some(),
+                    prompt.len(),
+                    cli.engine.layers_on_gpu()
+                )
             );
         }
     }
@@ -263,7 +267,7 @@ fn session_config(cli: &Cli, n_prompt: Option<usize>) -> Result<SessionConfig> {
     let h2o = match (choice, n_prompt) {
         (H2oChoice::Auto { .. }, None) => None,
         (_, None) => choice.h2o(),
-        (_, Some(n)) => choice.for_prompt(n)?,
+        (_, Some(n)) => choice.for_prompt(n, cli.engine.layers_on_gpu())?,
     };
     let config = cli.engine.session_config(h2o);
     if let (H2oChoice::Auto { .. }, Some(n), Some(_)) = (choice, n_prompt, h2o) {
@@ -281,12 +285,17 @@ fn session_config(cli: &Cli, n_prompt: Option<usize>) -> Result<SessionConfig> {
 }
 
 /// Why a run left to decide (`--h2o auto`) uses H2O or not.
-fn auto_note(on: bool, n_prompt: usize) -> String {
+fn auto_note(on: bool, n_prompt: usize, layers_on_gpu: bool) -> String {
     let from = H2oConfig::AUTO_FROM_TOKENS;
     if on {
         format!(
             "H2O on by itself: the prompt has {n_prompt} tokens, {from} or more (--h2o off for \
              full attention)"
+        )
+    } else if layers_on_gpu {
+        format!(
+            "full attention: {} (--h2o on to use it anyway)",
+            H2oChoice::why_full_attention(n_prompt, true)
         )
     } else {
         format!(

@@ -95,6 +95,12 @@ impl EngineFlags {
             .unwrap_or_else(|| SessionConfig::default().n_threads)
     }
 
+    /// Whether the flags put layers on a GPU: `-ngl` other than 0 in a build that can (where
+    /// it cannot, llama.cpp keeps every layer on the CPU).
+    pub fn layers_on_gpu(&self) -> bool {
+        self.n_gpu_layers != 0 && h2o_llama::gpu_offload_supported()
+    }
+
     /// The model's load parameters the flags give.
     pub fn model_params(&self) -> ModelParams {
         ModelParams {
@@ -248,5 +254,14 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.to_string().contains("-ctk/-ctv"), "{err}");
+    }
+
+    #[test]
+    fn layers_are_on_a_gpu_only_where_the_build_has_one() {
+        assert!(!parse(&[]).layers_on_gpu());
+        assert!(!parse(&["--n-gpu-layers", "0"]).layers_on_gpu());
+        let offload = h2o_llama::gpu_offload_supported();
+        assert_eq!(parse(&["--n-gpu-layers", "99"]).layers_on_gpu(), offload);
+        assert_eq!(parse(&["--n-gpu-layers=-1"]).layers_on_gpu(), offload);
     }
 }

@@ -16,15 +16,18 @@
 //! }
 //!
 //! let cli = Cli::parse_from(["app", "--h2o-local", "256", "--h2o-heavy", "256"]);
-//! let h2o = cli.h2o.choice().unwrap().for_prompt(100).unwrap().expect("H2O on");
+//! let h2o = cli.h2o.choice().unwrap().for_prompt(100, false).unwrap().expect("H2O on");
 //! assert_eq!((h2o.local, h2o.heavy), (256, 256));
 //! let session = cli.engine.session_config(Some(h2o));
 //! assert_eq!((session.n_batch, session.n_ubatch), (4096, 1024));
 //! // left to decide: H2O for long prompts only
 //! let cli = Cli::parse_from(["app"]);
 //! let choice = cli.h2o.choice().unwrap();
-//! assert!(choice.for_prompt(100).unwrap().is_none());
-//! assert!(choice.for_prompt(h2o_llama::H2oConfig::AUTO_FROM_TOKENS as usize).unwrap().is_some());
+//! assert!(choice.for_prompt(100, false).unwrap().is_none());
+//! let long = h2o_llama::H2oConfig::AUTO_FROM_TOKENS as usize;
+//! assert!(choice.for_prompt(long, false).unwrap().is_some());
+//! // with the layers on a GPU, only when asked for
+//! assert!(choice.for_prompt(long, true).unwrap().is_none());
 //! assert_eq!(cli.engine.session_config(None).n_ubatch, 512);
 //! ```
 //!
@@ -242,7 +245,7 @@ pub enum H2oChoice {
     On(H2oConfig),
     /// Left to the front end (`--h2o auto` and no memory flags): this configuration for
     /// prompts of [`H2oConfig::AUTO_FROM_TOKENS`] tokens or more, full attention for shorter
-    /// ones ([`H2oChoice::for_prompt`]).
+    /// ones and wherever layers run on a GPU ([`H2oChoice::for_prompt`]).
     Auto {
         h2o: H2oConfig,
         /// `--h2o-decode sparse` or `--h2o-decode-coverage` was given: a prompt that runs full
@@ -252,24 +255,55 @@ pub enum H2oChoice {
 }
 
 impl H2oChoice {
-    /// The H2O of a prompt of `n_prompt` tokens (`None`: full attention). An
-    /// [`Error::InvalidConfig`] when the flags asked for sparse decode and the prompt is too
-    /// short for H2O to turn on by itself.
-    pub fn for_prompt(&self, n_prompt: usize) -> Result<Option<H2oConfig>, Error> {
+    /// The H2O of a prompt of `n_prompt` tokens (`None`: full attention), with the layers on a
+    /// GPU or not ([`EngineFlags::layers_on_gpu`]). Left to decide, H2O turns on by itself
+    /// ([`H2oChoice::by_itself`]) from [`H2oConfig::AUTO_FROM_TOKENS`] tokens on the CPU only.
+    /// An [`Error::InvalidConfig`] when the flags asked for sparse decode and H2O does not turn
+    /// on by itself.
+    pub fn for_prompt(
+        &self,
+        n_prompt: usize,
+        layers_on_gpu: bool,
+    ) -> Result<Option<H2oConfig>, Error> {
         match *self {
             H2oChoice::Off => Ok(None),
             H2oChoice::On(h2o) => Ok(Some(h2o)),
-            H2oChoice::Auto { h2o, .. } if H2oConfig::automatic_for(n_prompt) => Ok(Some(h2o)),
+            H2oChoice::Auto { h2o, .. } if Self::by_itself(n_prompt, layers_on_gpu) => {
+                Ok(Some(h2o))
+            }
             H2oChoice::Auto {
                 sparse_decode_asked: false,
                 ..
             } => Ok(None),
             H2oChoice::Auto { .. } => Err(Error::InvalidConfig(format!(
-                "--h2o-decode sparse and --h2o-decode-coverage need H2O on, and a prompt of \
-                 {n_prompt} tokens runs full attention (H2O turns on by itself from {}): add \
-                 --h2o on (or use --h2o-decode full)",
-                H2oConfig::AUTO_FROM_TOKENS
+                "--h2o-decode sparse and --h2o-decode-coverage need H2O on, and {}: add --h2o on \
+                 (or use --h2o-decode full)",
+                Self::why_full_attention(n_prompt, layers_on_gpu)
             ))),
+        }
+    }
+
+    /// Whether H2O turns on by itself (`--h2o auto`) for a prompt of `n_prompt` tokens: from
+    /// [`H2oConfig::AUTO_FROM_TOKENS`] tokens ([`H2oConfig::automatic_for`]), where the bench
+    /// measured its default configuration at 1.1x full attention's prefill speed or more, and
+    /// only with the layers on the CPU: on a GPU no length has been measured where it is faster
+    /// than full attention (coverage selection ran at 0.31x at 32K on an H200, and sparse decode
+    /// slower than full decode), so there it runs only when asked for (`--h2o on`).
+    pub fn by_itself(n_prompt: usize, layers_on_gpu: bool) -> bool {
+        !layers_on_gpu && H2oConfig::automatic_for(n_prompt)
+    }
+
+    /// Why a prompt of `n_prompt` tokens left to decide runs full attention, for messages.
+    pub fn why_full_attention(n_prompt: usize, layers_on_gpu: bool) -> String {
+        if layers_on_gpu {
+            "layers run on the GPU (-ngl), where H2O does not turn on by itself: its default has \
+             not been measured faster than full attention there"
+                .into()
+        } else {
+            format!(
+                "a prompt of {n_prompt} tokens runs full attention (H2O turns on by itself from {})",
+                H2oConfig::AUTO_FROM_TOKENS
+            )
         }
     }
 
@@ -405,7 +439,7 @@ mod tests {
 
     /// The H2O of a run whose prompt has `n` tokens.
     fn run_config(flags: &H2oFlags, n: usize) -> Result<Option<H2oConfig>, Error> {
-        flags.choice()?.for_prompt(n)
+        flags.choice()?.for_prompt(n, false)
     }
 
     #[test]
@@ -452,6 +486,36 @@ mod tests {
         );
         let err = run_config(&sparse, auto - 1).unwrap_err();
         assert!(err.to_string().contains("--h2o on"), "{err}");
+    }
+
+    #[test]
+    fn h2o_does_not_turn_on_by_itself_with_layers_on_a_gpu() {
+        let long = 4 * H2oConfig::AUTO_FROM_TOKENS as usize;
+        let auto = parse(&[]).choice().unwrap();
+        assert_eq!(auto.for_prompt(long, true).unwrap(), None);
+        assert_eq!(
+            auto.for_prompt(long, false).unwrap(),
+            Some(H2oConfig::automatic())
+        );
+        assert!(!H2oChoice::by_itself(long, true));
+        // sparse decode asked for is refused there, naming the GPU and the way out
+        let err = parse(&["--h2o-decode", "sparse"])
+            .choice()
+            .unwrap()
+            .for_prompt(long, true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("GPU") && err.contains("--h2o on"), "{err}");
+        // asked for, it runs there too
+        let on = parse(&["--h2o", "on"]).choice().unwrap();
+        assert_eq!(
+            on.for_prompt(long, true).unwrap(),
+            Some(H2oConfig::automatic())
+        );
+        let given = parse(&["--h2o-local", "128", "--h2o-heavy", "128"])
+            .choice()
+            .unwrap();
+        assert!(given.for_prompt(100, true).unwrap().is_some());
     }
 
     #[test]

@@ -232,7 +232,8 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         ctx_size / cli.parallel.max(1)
     };
     // Left to decide, the server turns H2O on unless no slot could hold a prompt long enough
-    // for it or a full-attention feature is asked for. Unlike h2o-cli it cannot give shorter
+    // for it, a full-attention feature is asked for, or the layers run on a GPU
+    // (`H2oChoice::by_itself`). Unlike h2o-cli it cannot give shorter
     // prompts full attention: a sequence's H2O settings are kept with its cache, and a prompt
     // under other settings (a dense tail of the whole prompt) reuses none of a conversation's
     // cached prefix. Prompts of one chunk are full attention anyway.
@@ -241,7 +242,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         H2oChoice::On(h2o) => (Some(h2o), false),
         H2oChoice::Auto { h2o, .. } => {
             let fits = ctx_size == 0 || H2oConfig::automatic_for(per_slot as usize);
-            if fits && !cli.context_shift && !cli.kv_unified {
+            if fits && !cli.engine.layers_on_gpu() && !cli.context_shift && !cli.kv_unified {
                 (Some(h2o), true)
             } else {
                 (None, false)
@@ -532,8 +533,8 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
         attention += if info.h2o.is_some() {
             " (on by itself; --h2o off for full attention)"
         } else {
-            " (H2O left off: no slot holds a prompt long enough for it, or a full-attention \
-             feature was asked for)"
+            " (H2O left off: no slot holds a prompt long enough for it, a full-attention \
+             feature was asked for, or the layers run on the GPU; --h2o on to use it)"
         };
     }
     eprintln!(
