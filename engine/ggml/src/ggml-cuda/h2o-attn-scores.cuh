@@ -91,13 +91,12 @@ static __device__ __forceinline__ int h2o_block_scan(int x, int * warp_sums, int
     return base + incl - x;
 }
 
-// one step of the radix select on 16-bit keys, for the first warp: from the histogram of a key byte (pass 0: high,
-// pass 1: low, of the keys whose high byte is sel[0]), the highest bin at which the count from the top reaches
-// n_best. Pass 0 leaves the bin in sel[0] and the count above it in sel[2]; pass 1 the threshold key in sel[1] and
-// in sel[2] how many keys equal to it to take. n_best must not exceed the number of keys.
-static __device__ __forceinline__ void h2o_radix_bin(const int * hist, int * sel, int pass, int n_best) {
-    const int lane  = threadIdx.x%H2O_WARP_SIZE;
-    const int above = pass == 0 ? 0 : sel[2];
+// The search every radix select here shares, for the first warp: hist counts one key byte of the keys still in the
+// running, `above` keys rank above all of them, and n_best must not exceed `above` plus those counted. The one lane
+// that holds the highest bin at which the count from the top reaches n_best returns true, with that bin in bin and
+// the count above it in acc; the other lanes return false.
+static __device__ __forceinline__ bool h2o_radix_find(const int * hist, int above, int n_best, int & bin, int & acc) {
+    const int lane = threadIdx.x%H2O_WARP_SIZE;
     // lane l holds bins 255 - 8l .. 248 - 8l
     int own = 0;
 #pragma unroll
@@ -111,22 +110,36 @@ static __device__ __forceinline__ void h2o_radix_bin(const int * hist, int * sel
         incl += lane >= o ? y : 0;
     }
     const unsigned reached = __ballot_sync(0xffffffff, above + incl >= n_best);
-    // n_best <= the number of keys, so some lane reaches it (the last one at the latest)
+    // n_best <= above + the keys counted, so some lane reaches it (the last one at the latest)
     const int first = reached ? __ffs(reached) - 1 : H2O_WARP_SIZE - 1;
-    if (lane == first) {
-        int acc = above + incl - own;
-        int bin = 255 - 8*lane;
-        for (int i = 0; i < 7 && acc + hist[bin] < n_best; ++i) {
-            acc += hist[bin];
-            --bin;
-        }
-        if (pass == 0) {
-            sel[0] = bin;
-            sel[2] = acc;
-        } else {
-            sel[1] = (sel[0] << 8) | bin;
-            sel[2] = n_best - acc;
-        }
+    if (lane != first) {
+        return false;
+    }
+    acc = above + incl - own;
+    bin = 255 - 8*lane;
+    for (int i = 0; i < 7 && acc + hist[bin] < n_best; ++i) {
+        acc += hist[bin];
+        --bin;
+    }
+    return true;
+}
+
+// one step of the radix select on 16-bit keys, for the first warp: from the histogram of a key byte (pass 0: high,
+// pass 1: low, of the keys whose high byte is sel[0]), the highest bin at which the count from the top reaches
+// n_best. Pass 0 leaves the bin in sel[0] and the count above it in sel[2]; pass 1 the threshold key in sel[1] and
+// in sel[2] how many keys equal to it to take. n_best must not exceed the number of keys.
+static __device__ __forceinline__ void h2o_radix_bin(const int * hist, int * sel, int pass, int n_best) {
+    int bin;
+    int acc;
+    if (!h2o_radix_find(hist, pass == 0 ? 0 : sel[2], n_best, bin, acc)) {
+        return;
+    }
+    if (pass == 0) {
+        sel[0] = bin;
+        sel[2] = acc;
+    } else {
+        sel[1] = (sel[0] << 8) | bin;
+        sel[2] = n_best - acc;
     }
 }
 

@@ -86,29 +86,11 @@ static __device__ __forceinline__ double h2o_row16_sum(double x) {
 
 // one pass of a radix select, for the first warp: hist counts one key byte of the keys that match the bytes chosen so
 // far, `above` keys rank above all of those. The highest bin at which the count from the top reaches n_best goes to
-// sel[0], the count above that bin to sel[1]. (h2o_radix_bin with the count above carried, for any number of passes.)
+// sel[0], the count above that bin to sel[1] (h2o_radix_bin with the count above carried, for any number of passes).
 static __device__ __forceinline__ void h2o_radix_pick(const int * hist, int above, int n_best, int * sel) {
-    const int lane = threadIdx.x%H2O_WARP_SIZE;
-    int own = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        own += hist[255 - 8*lane - i];
-    }
-    int incl = own;
-#pragma unroll
-    for (int o = 1; o < H2O_WARP_SIZE; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffff, incl, o);
-        incl += lane >= o ? y : 0;
-    }
-    const unsigned reached = __ballot_sync(0xffffffff, above + incl >= n_best);
-    const int first = reached ? __ffs(reached) - 1 : H2O_WARP_SIZE - 1;
-    if (lane == first) {
-        int acc = above + incl - own;
-        int bin = 255 - 8*lane;
-        for (int i = 0; i < 7 && acc + hist[bin] < n_best; ++i) {
-            acc += hist[bin];
-            --bin;
-        }
+    int bin;
+    int acc;
+    if (h2o_radix_find(hist, above, n_best, bin, acc)) {
         sel[0] = bin;
         sel[1] = acc;
     }
