@@ -379,6 +379,21 @@ struct h2o_cov_block {
             __syncthreads(); // probs() is the caller's again
         }
     }
+
+    // the next block of keys: positions pos_of(kb + kk) where kb + kk < n (-1 after) into kpos and their rows into
+    // shared memory once every thread is done with the previous block, then this thread's logits against them
+    template <typename pos_fn>
+    __device__ __forceinline__ void next_logits(float (&x)[4][4], int * kpos, int kb, int n, pos_fn pos_of,
+            const char * k_h, size_t nbk2) const {
+        __syncthreads();
+        if (threadIdx.x < H2O_COV_KEYS) {
+            kpos[threadIdx.x] = kb + (int) threadIdx.x < n ? pos_of(kb + (int) threadIdx.x) : -1;
+        }
+        __syncthreads();
+        load_keys(kpos, k_h, nbk2);
+        __syncthreads();
+        logits(x);
+    }
 };
 
 // online softmax of this thread's 4 rows over a block of logits (masked ones -inf): maximum m and sum l, the same in
@@ -509,15 +524,8 @@ static __global__ void h2o_cov_sample_stats(const char * q, const char * k, floa
     float  m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
     double l[4] = {0.0, 0.0, 0.0, 0.0};
     for (int kb = k0; kb < k1; kb += H2O_COV_KEYS) {
-        __syncthreads(); // the queries are in, the previous keys are done with
-        if (threadIdx.x < H2O_COV_KEYS) {
-            kpos[threadIdx.x] = kb + (int) threadIdx.x < k1 ? kb + (int) threadIdx.x : -1;
-        }
-        __syncthreads();
-        blk.load_keys(kpos, k_h, nbk2);
-        __syncthreads();
         float x[4][4];
-        blk.logits(x);
+        blk.next_logits(x, kpos, kb, k1, [](int pos) { return pos; }, k_h, nbk2);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -616,15 +624,9 @@ static __global__ void h2o_cov_sample_scores(const char * q, const char * k, con
     const int    n_cand = cand_end - cand_begin;
     const int    n_tg   = H2O_COV_TILE/n_samp; // tiles per group of slots
     for (int kb = k0; kb < k1; kb += H2O_COV_KEYS) {
-        __syncthreads(); // the queries are in; the previous block's keys and probabilities are done with
-        if (threadIdx.x < H2O_COV_KEYS) {
-            kpos[threadIdx.x] = kb + (int) threadIdx.x < k1 ? kb + (int) threadIdx.x : -1;
-        }
-        __syncthreads();
-        blk.load_keys(kpos, k_h, nbk2);
-        __syncthreads();
+        // (its first barrier also waits until every thread is done with the previous block's probabilities)
         float x[4][4];
-        blk.logits(x);
+        blk.next_logits(x, kpos, kb, k1, [](int pos) { return pos; }, k_h, nbk2);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -686,15 +688,8 @@ static __device__ void h2o_cov_row_stats(float (&m)[4], double (&l)[4], const in
         l[i] = 0.0;
     }
     for (int kb = 0; kb < n; kb += H2O_COV_KEYS) {
-        __syncthreads();
-        if (threadIdx.x < H2O_COV_KEYS) {
-            kpos[threadIdx.x] = kb + (int) threadIdx.x < n ? kpos_of(kb + (int) threadIdx.x) : -1;
-        }
-        __syncthreads();
-        blk.load_keys(kpos, k_h, nbk2);
-        __syncthreads();
         float x[4][4];
-        blk.logits(x);
+        blk.next_logits(x, kpos, kb, n, kpos_of, k_h, nbk2);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -837,15 +832,8 @@ static __global__ void h2o_cov_rank(const char * q, const char * k, const int32_
 
     // sweep 2: part b's probabilities; the forced ones add to base, the candidates' go to their column sums
     for (int kb = 0; kb < n_b; kb += H2O_COV_KEYS) {
-        __syncthreads();
-        if (threadIdx.x < H2O_COV_KEYS) {
-            kpos[threadIdx.x] = kb + (int) threadIdx.x < n_b ? b_pos(kb + (int) threadIdx.x) : -1;
-        }
-        __syncthreads();
-        blk.load_keys(kpos, k_h, nbk2);
-        __syncthreads();
         float x[4][4];
-        blk.logits(x);
+        blk.next_logits(x, kpos, kb, n_b, b_pos, k_h, nbk2);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int r = ty + 16*i;
