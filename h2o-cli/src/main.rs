@@ -264,10 +264,11 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
 /// turns on by itself, a flag it does not fit is an error naming `--h2o off`.
 fn session_config(cli: &Cli, n_prompt: Option<usize>) -> Result<SessionConfig> {
     let choice = cli.h2o.choice()?;
+    let gpu = cli.engine.layers_on_gpu();
     let h2o = match (choice, n_prompt) {
         (H2oChoice::Auto { .. }, None) => None,
-        (_, None) => choice.h2o(),
-        (_, Some(n)) => choice.for_prompt(n, cli.engine.layers_on_gpu())?,
+        (_, None) => choice.h2o().map(|h2o| cli.h2o.on_backend(h2o, gpu)),
+        (_, Some(n)) => cli.h2o.for_prompt(n, gpu)?,
     };
     let config = cli.engine.session_config(h2o);
     if let (H2oChoice::Auto { .. }, Some(n), Some(_)) = (choice, n_prompt, h2o) {

@@ -394,6 +394,29 @@ impl H2oFlags {
         })
     }
 
+    /// The H2O of a run whose prompt has `n_prompt` tokens (`None`: full attention), with the
+    /// layers on a GPU or not ([`EngineFlags::layers_on_gpu`]): [`H2oChoice::for_prompt`] of
+    /// these flags' choice, as [`H2oFlags::on_backend`] runs it.
+    pub fn for_prompt(
+        &self,
+        n_prompt: usize,
+        layers_on_gpu: bool,
+    ) -> Result<Option<H2oConfig>, Error> {
+        let h2o = self.choice()?.for_prompt(n_prompt, layers_on_gpu)?;
+        Ok(h2o.map(|h2o| self.on_backend(h2o, layers_on_gpu)))
+    }
+
+    /// `h2o` as it runs with the layers on a GPU or not: on a GPU, sparse decode, which decoded
+    /// slower than full decode there (144 against 383 steps/s after 8K on an H200), only where
+    /// `--h2o-decode sparse` or `--h2o-decode-coverage` asks for it; on the CPU as it is.
+    pub fn on_backend(&self, mut h2o: H2oConfig, layers_on_gpu: bool) -> H2oConfig {
+        let decode_asked = self.policy.decode.is_some() || self.policy.decode_coverage != 1.0;
+        if layers_on_gpu && !decode_asked {
+            h2o.decode_budget = 0;
+        }
+        h2o
+    }
+
     /// The H2O configuration of a command that compares H2O with full attention (bench,
     /// perplexity, eval, the studies): L and H [`H2oMemory::COMPARED`] where left out, full
     /// decode unless `--h2o-decode sparse`. Such commands set H2O on themselves: `--h2o` other
@@ -506,12 +529,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("GPU") && err.contains("--h2o on"), "{err}");
-        // asked for, it runs there too
-        let on = parse(&["--h2o", "on"]).choice().unwrap();
+        // asked for, it runs there too, with full decode unless sparse decode is asked for
+        let on = parse(&["--h2o", "on"]);
+        let h2o = on.for_prompt(long, true).unwrap().unwrap();
+        assert_eq!(h2o.decode_budget, 0);
         assert_eq!(
-            on.for_prompt(long, true).unwrap(),
+            H2oConfig {
+                decode_budget: H2oConfig::RECOMMENDED_DECODE_BUDGET,
+                ..h2o
+            },
+            H2oConfig::automatic()
+        );
+        assert_eq!(
+            on.for_prompt(long, false).unwrap(),
             Some(H2oConfig::automatic())
         );
+        let sparse = parse(&["--h2o", "on", "--h2o-decode", "sparse"]);
+        assert_eq!(
+            sparse
+                .for_prompt(long, true)
+                .unwrap()
+                .unwrap()
+                .decode_budget,
+            H2oConfig::RECOMMENDED_DECODE_BUDGET
+        );
+        let cut = parse(&["--h2o", "on", "--h2o-decode-coverage", "0.9"]);
+        assert!(cut.for_prompt(long, true).unwrap().unwrap().decode_budget > 0);
         let given = parse(&["--h2o-local", "128", "--h2o-heavy", "128"])
             .choice()
             .unwrap();

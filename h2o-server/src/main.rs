@@ -239,7 +239,10 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     // cached prefix. Prompts of one chunk are full attention anyway.
     let (h2o, h2o_auto) = match cli.h2o.choice()? {
         H2oChoice::Off => (None, false),
-        H2oChoice::On(h2o) => (Some(h2o), false),
+        H2oChoice::On(h2o) => (
+            Some(cli.h2o.on_backend(h2o, cli.engine.layers_on_gpu())),
+            false,
+        ),
         H2oChoice::Auto { h2o, .. } => {
             let fits = ctx_size == 0 || H2oConfig::automatic_for(per_slot as usize);
             if fits && !cli.engine.layers_on_gpu() && !cli.context_shift && !cli.kv_unified {
