@@ -232,8 +232,8 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         ctx_size / cli.parallel.max(1)
     };
     // Left to decide, the server turns H2O on unless no slot could hold a prompt long enough
-    // for it, a full-attention feature is asked for, or the layers run on a GPU
-    // (`H2oChoice::by_itself`). Unlike h2o-cli it cannot give shorter
+    // for it, a full-attention feature is asked for, or the layers run on a GPU (where, as
+    // `H2oChoice::by_itself` says for h2o-cli, it does not pay). Unlike h2o-cli it cannot give shorter
     // prompts full attention: a sequence's H2O settings are kept with its cache, and a prompt
     // under other settings (a dense tail of the whole prompt) reuses none of a conversation's
     // cached prefix. Prompts of one chunk are full attention anyway.
