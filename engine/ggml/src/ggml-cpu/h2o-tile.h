@@ -19,8 +19,8 @@
 #include <vector>
 
 // Query rows go in tiles of H2O_QT and keys in blocks of H2O_KB, so that the logits and the
-// weighted V sums are small dense matrix products (simd_gemm), as in the tiled flash attention
-// above. With H2O_QT == H2O_KB the causal diagonal of a tile lies in one key block.
+// weighted V sums are small dense matrix products (simd_gemm), as in ops.cpp's tiled flash
+// attention. With H2O_QT == H2O_KB the causal diagonal of a tile lies in one key block.
 static constexpr int64_t H2O_QT = 64;
 static constexpr int64_t H2O_KB = 64;
 // keys per step of the dense tail (a multiple of H2O_KB)
