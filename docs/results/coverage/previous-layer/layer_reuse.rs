@@ -5,8 +5,9 @@
 //! of 64 queries: the share of the tile's attention that its chunk, the forced positions (4
 //! sinks and the last L before the chunk) and H chosen far positions cover, where the H are
 //! - `oracle`: the tile's own best H (what no estimator beats);
-//! - `sampled+rank`: 4 H candidates by the exact attention of every 16th query of the tile (stage
-//!   1), the best H of them by the whole tile's attention (stage 2, exact here);
+//! - `sampled+rank`: 4 H candidates by the exact attention of every 16th query of the tile (the
+//!   study's stage 1; the kernel's samples all 64 queries on a key sketch), the best H of them by
+//!   the whole tile's attention (stage 2, exact here);
 //! - `prev-head+rank`: 4 H candidates by layer a's attention of the same tile and head index,
 //!   ranked by layer b's tile (stage 1 replaced by the previous layer, stage 2 kept);
 //! - `prev-all+rank`: 4 H candidates by layer a's attention of the same tile summed over its
