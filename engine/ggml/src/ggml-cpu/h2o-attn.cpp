@@ -261,22 +261,18 @@ void ggml_compute_forward_h2o_attn(
     const int64_t nb_memory = h2o_n_blocks(M);
 
     // per-thread scratch, reused across calls
-    thread_local std::vector<float> k_chunk;  // K of the chunk, packed
-    thread_local std::vector<float> v_chunk;  // V of the chunk, F32
-    thread_local std::vector<float> k_mem;    // K of the memory set, packed
-    thread_local std::vector<float> v_mem;    // V of the memory set, F32
     thread_local std::vector<int32_t> masked; // memory slots (and padding) no query may attend to
     thread_local std::vector<int64_t> sample; // query rows that choose a query-aware memory
     thread_local std::vector<float> q_sample; // [sample][D], pre-scaled
     thread_local h2o_block_summary blocks;
     thread_local h2o_tile_scratch tile;
     thread_local h2o_span_scratch span;
-    k_chunk.resize((size_t) nb_chunk*D*H2O_KB);
-    v_chunk.resize((size_t) nb_chunk*H2O_KB*Dv);
-    k_mem  .resize((size_t) nb_memory*D*H2O_KB);
-    v_mem  .resize((size_t) nb_memory*H2O_KB*Dv);
     tile.reserve(D, Dv, nb_chunk, nb_memory);
     span.reserve(D, Dv);
+    float * k_chunk = tile.k_chunk.data();
+    float * v_chunk = tile.v_chunk.data();
+    float * k_mem   = tile.k_mem.data();
+    float * v_mem   = tile.v_mem.data();
 
     const h2o_row_type kt(k->type);
     const h2o_row_type vt(v->type);
@@ -365,12 +361,12 @@ void ggml_compute_forward_h2o_attn(
             // K/V of the chunk's keys (positions cs .. q_end) and of the memory set M_{c-1}, as F32,
             // once per chunk; memory slots that are empty (or, defensively, not before the chunk)
             // stay zero and are masked out of the logits below
-            h2o_pack_k(k_chunk.data(), q_end - cs, D,  [&](int64_t j) { return k_row(cs + j, ikv); });
-            h2o_pack_v(v_chunk.data(), q_end - cs, Dv, [&](int64_t j) { return v_row(cs + j, ikv); });
+            h2o_pack_k(k_chunk, q_end - cs, D,  [&](int64_t j) { return k_row(cs + j, ikv); });
+            h2o_pack_v(v_chunk, q_end - cs, Dv, [&](int64_t j) { return v_row(cs + j, ikv); });
             if (has_memory) {
                 const auto in_memory = [&](int64_t m) { return mem[m] >= 0 && mem[m] < cs; };
-                h2o_pack_k(k_mem.data(), M, D,  [&](int64_t m) { return in_memory(m) ? k_row(mem[m], ikv) : h2o_row{}; });
-                h2o_pack_v(v_mem.data(), M, Dv, [&](int64_t m) { return in_memory(m) ? v_row(mem[m], ikv) : h2o_row{}; });
+                h2o_pack_k(k_mem, M, D,  [&](int64_t m) { return in_memory(m) ? k_row(mem[m], ikv) : h2o_row{}; });
+                h2o_pack_v(v_mem, M, Dv, [&](int64_t m) { return in_memory(m) ? v_row(mem[m], ikv) : h2o_row{}; });
                 // usually none: a memory set is full from chunk 1 on, and M is often a multiple of H2O_KB
                 masked.clear();
                 for (int64_t m = 0; m < nb_memory*H2O_KB; ++m) {
@@ -385,8 +381,8 @@ void ggml_compute_forward_h2o_attn(
             for (int64_t t0 = cs + (int64_t) (i_begin - cs)/H2O_QT*H2O_QT; t0 < q_end; t0 += H2O_QT) {
                 const int64_t r0 = std::max<int64_t>(t0, i_begin); // first row computed
                 const int64_t r1 = std::min<int64_t>(t0 + H2O_QT, q_end);
-                h2o_attend_tile(dst, q, ih, p0, cs, r0, r1, h2o_logits_of(dst, ih), tail_start, k_chunk.data(), v_chunk.data(),
-                        has_memory ? k_mem.data() : nullptr, v_mem.data(), M, nb_memory, masked, acc_intra, acc_inter, tile);
+                h2o_attend_tile(dst, q, ih, p0, cs, r0, r1, h2o_logits_of(dst, ih), tail_start, k_chunk, v_chunk,
+                        has_memory ? k_mem : nullptr, v_mem, M, nb_memory, masked, acc_intra, acc_inter, tile);
             }
 
             if (p1 >= ce) {

@@ -617,10 +617,6 @@ struct h2o_coverage_call {
 
     // the thread's buffers, kept across calls
     struct buffers {
-        std::vector<float> k_chunk;
-        std::vector<float> v_chunk;
-        std::vector<float> k_mem;
-        std::vector<float> v_mem;
         std::vector<int32_t> masked;
         std::vector<int32_t> memory;     // one tile's memory, ascending
         std::vector<float> far_sums;     // per position before the chunk: column sums of all its tiles
@@ -691,8 +687,8 @@ struct h2o_coverage_call {
         mem_max((int64_t) n_sink + L + (int64_t) GGML_H2O_MAX_HEAVY_FACTOR*H), nb_mem_max(h2o_n_blocks(mem_max)),
         kt(k->type), vt(v->type),
         head_begin(n_head*params->ith/params->nth), head_end(n_head*(params->ith + 1)/params->nth),
-        k_chunk(thread_buffers().k_chunk), v_chunk(thread_buffers().v_chunk), k_mem(thread_buffers().k_mem),
-        v_mem(thread_buffers().v_mem), masked(thread_buffers().masked), memory(thread_buffers().memory),
+        k_chunk(thread_buffers().tile.k_chunk), v_chunk(thread_buffers().tile.v_chunk),
+        k_mem(thread_buffers().tile.k_mem), v_mem(thread_buffers().tile.v_mem), masked(thread_buffers().masked), memory(thread_buffers().memory),
         far_sums(thread_buffers().far_sums), forced(thread_buffers().forced), given(thread_buffers().given),
         ranked(thread_buffers().ranked), mem_chunk(thread_buffers().mem_chunk), acc_chunk(thread_buffers().acc_chunk),
         o_intra(thread_buffers().o_intra), part_intra(thread_buffers().part_intra), est(thread_buffers().est),
@@ -701,10 +697,6 @@ struct h2o_coverage_call {
         GGML_ASSERT(params->wsize >= ggml_h2o_attn_coverage_work_size(dst));
         h2o_coverage_layout(shared, params->wdata, n_head*n_tiles, stride, S, mem_max);
 
-        k_chunk.resize((size_t) nb_chunk*D*H2O_KB);
-        v_chunk.resize((size_t) nb_chunk*H2O_KB*Dv);
-        k_mem  .resize((size_t) nb_mem_max*D*H2O_KB);
-        v_mem  .resize((size_t) nb_mem_max*H2O_KB*Dv);
         tile.reserve(D, Dv, nb_chunk, nb_mem_max);
         span.reserve(D, Dv);
         ranked.resize((size_t) n_head*n_tiles);

@@ -201,8 +201,13 @@ static void h2o_settle(ggml_bf16_t * sc, float * acc_intra, const int32_t * mem,
     std::fill(acc_intra, acc_intra + S + M, 0.0f);
 }
 
-// Scratch of one thread for the attention of one tile of query rows.
+// Scratch of one thread for the attention of the tiles of query rows: the chunk's and the memory's K and V, packed
+// once per chunk and head, and one tile's logits, parts and outputs.
 struct h2o_tile_scratch {
+    std::vector<float> k_chunk;  // K of the chunk, packed (h2o_pack_k)
+    std::vector<float> v_chunk;  // V of the chunk, F32 (h2o_pack_v)
+    std::vector<float> k_mem;    // K of the memory, packed
+    std::vector<float> v_mem;    // V of the memory, F32
     std::vector<float> q_tile;   // [H2O_QT][D], pre-scaled
     std::vector<float> x_intra;  // logits, then probabilities: [block][H2O_QT][H2O_KB]
     std::vector<float> x_inter;
@@ -214,6 +219,10 @@ struct h2o_tile_scratch {
     std::vector<h2o_row_part> part_mem;
 
     void reserve(int64_t D, int64_t Dv, int64_t nb_chunk, int64_t nb_memory) {
+        k_chunk.resize((size_t) nb_chunk*D*H2O_KB);
+        v_chunk.resize((size_t) nb_chunk*H2O_KB*Dv);
+        k_mem  .resize((size_t) nb_memory*D*H2O_KB);
+        v_mem  .resize((size_t) nb_memory*H2O_KB*Dv);
         q_tile .resize((size_t) H2O_QT*D);
         x_intra.resize((size_t) nb_chunk*H2O_QT*H2O_KB);
         x_inter.resize(std::max(x_inter.size(), (size_t) nb_memory*H2O_QT*H2O_KB));
