@@ -22,9 +22,7 @@
 //!
 //! (LAYERS_B: the layers b, comma-separated; each is captured with the layer before it.)
 
-use std::collections::BTreeSet;
-
-use h2o_llama::research::coverage::{capture_dense, ChunkAttention, DenseLayer};
+use h2o_llama::research::coverage::{capture_dense, ChunkAttention, DenseLayer, StudyConfig};
 use h2o_llama::{default_model, Model, ModelParams};
 
 const CHUNK: usize = 1024;
@@ -45,6 +43,27 @@ const VARIANTS: [&str; 7] = [
     "forced only",
 ];
 
+/// The study's shape: only `forced` (the sinks and the local window) is used here.
+fn shape() -> StudyConfig {
+    StudyConfig {
+        chunk: CHUNK,
+        local: LOCAL,
+        heavy: HEAVY,
+        sink: SINK,
+        tile: TILE,
+        block: 16,
+        first_chunk: 1,
+        only: None,
+    }
+}
+
+/// `sum += row`, element by element.
+fn add(sum: &mut [f32], row: &[f32]) {
+    for (x, &y) in sum.iter_mut().zip(row) {
+        *x += y;
+    }
+}
+
 /// The `n` positions of `free` with the largest `mass`.
 fn top(mass: &[f32], free: &[usize], n: usize) -> Vec<usize> {
     let mut v: Vec<usize> = free.to_vec();
@@ -59,9 +78,7 @@ fn tile_masses(att: &ChunkAttention) -> Vec<Vec<f32>> {
         .map(|t| {
             let mut m = vec![0f32; att.start];
             for r in t * TILE..((t + 1) * TILE).min(att.rows) {
-                for (x, &y) in m.iter_mut().zip(att.far_row(r)) {
-                    *x += y;
-                }
+                add(&mut m, att.far_row(r));
             }
             m
         })
@@ -88,17 +105,15 @@ fn head_coverage(
     prev_all: &[Vec<f32>],
 ) -> ([f64; VARIANTS.len()], usize) {
     let att = ChunkAttention::of(b, h, start, end);
-    let forced: BTreeSet<usize> = (0..SINK).chain(start - LOCAL..start).collect();
-    let free: Vec<usize> = (0..start).filter(|p| !forced.contains(p)).collect();
+    let forced: Vec<usize> = shape().forced(start).into_iter().map(|p| p as usize).collect();
+    let free: Vec<usize> = (0..start).filter(|p| forced.binary_search(p).is_err()).collect();
     let mut sums = [0f64; VARIANTS.len()];
     let mut tiles = 0;
     for (t, mass) in tile_masses(&att).iter().enumerate() {
         let rows: Vec<usize> = (t * TILE..((t + 1) * TILE).min(att.rows)).collect();
         let mut sampled = vec![0f32; start];
         for &r in rows.iter().step_by(SAMPLE_EVERY) {
-            for (x, &y) in sampled.iter_mut().zip(att.far_row(r)) {
-                *x += y;
-            }
+            add(&mut sampled, att.far_row(r));
         }
         let ranked = |candidates: Vec<usize>| top(mass, &candidates, HEAVY);
         let chosen: [Vec<usize>; VARIANTS.len()] = [
@@ -163,9 +178,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .map(|t| {
                     let mut m = vec![0f32; start];
                     for head in &prev {
-                        for (x, &y) in m.iter_mut().zip(&head[t]) {
-                            *x += y;
-                        }
+                        add(&mut m, &head[t]);
                     }
                     m
                 })
