@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use h2o_flags::{llama_spellings, EngineFlags, H2oChoice, H2oFlags};
+use h2o_flags::{llama_spellings, AutoDecision, AutoFit, EngineFlags, H2oChoice, H2oFlags};
 use h2o_llama::{
     default_model, demo, models, Error, ErrorKind, Generation, H2oConfig, H2oState, Integrity,
     Model, PromptCache, Sampler, SamplerConfig, Session, SessionConfig,
@@ -119,6 +119,12 @@ enum Command {
 }
 
 #[derive(serde::Serialize)]
+struct AutoRecord<'a> {
+    outcome: &'static str,
+    note: &'a str,
+}
+
+#[derive(serde::Serialize)]
 struct Record<'a> {
     model: String,
     prompt_tokens: usize,
@@ -135,6 +141,10 @@ struct Record<'a> {
     n_ubatch: u32,
     n_ctx: u32,
     h2o: Option<H2oConfig>,
+    /// with `--h2o auto`, what H2O came to: `on`, `scaled` (its memory to a small chunk) or
+    /// `full_attention`, and why
+    #[serde(skip_serializing_if = "Option::is_none")]
+    h2o_auto: Option<AutoRecord<'a>>,
     time_to_first_token_ms: f64,
     prefill_ms: f64,
     prefill_tokens_per_second: f64,
@@ -233,21 +243,14 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt.into());
     }
-    let config = session_config(cli, Some(prompt.len()))?;
+    let (config, auto) = plan(cli, Some(prompt.len()))?;
     let mut session = Session::new(&model, config)?;
     session.set_interrupt_flag(interrupt);
     let mut sampler = Sampler::new(&sampler_config(cli))?;
     if !cli.json {
         print_header(&model, &session, &prompt_text, prompt_source, prompt.len());
-        if let H2oChoice::Auto { .. } = cli.h2o.choice()? {
-            eprintln!(
-                "h2o-cli: {}",
-                auto_note(
-                    session.config().h2o.is_some(),
-                    prompt.len(),
-                    cli.engine.layers_on_gpu()
-                )
-            );
+        if let Some(auto) = &auto {
+            eprintln!("h2o-cli: {}", auto.note);
         }
     }
     let cached = match &cli.prompt_cache {
@@ -256,22 +259,65 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     };
     let before = session.h2o_state();
     let generation = prefill_and_generate(cli, &mut session, &prompt[cached..], &mut sampler)?;
-    report(cli, &model, &session, &generation, cached, before)
+    report(
+        cli,
+        &model,
+        &session,
+        &generation,
+        cached,
+        before,
+        auto.as_ref(),
+    )
 }
 
 /// The session the flags give a prompt of `n_prompt` tokens; before the prompt is known
 /// (`None`), the flags' own, without the H2O a long prompt would turn on by itself. Where H2O
 /// turns on by itself, a flag it does not fit is an error naming `--h2o off`.
 fn session_config(cli: &Cli, n_prompt: Option<usize>) -> Result<SessionConfig> {
+    Ok(plan(cli, n_prompt)?.0)
+}
+
+/// [`session_config`], and with the prompt known and H2O left to decide, what it came to.
+fn plan(cli: &Cli, n_prompt: Option<usize>) -> Result<(SessionConfig, Option<AutoDecision>)> {
     let choice = cli.h2o.choice()?;
     let gpu = cli.engine.layers_on_gpu();
-    let h2o = match (choice, n_prompt) {
-        (H2oChoice::Auto { .. }, None) => None,
-        (_, None) => choice.h2o().map(|h2o| cli.h2o.on_backend(h2o, gpu)),
-        (_, Some(n)) => cli.h2o.for_prompt(n, gpu)?,
+    let n = match (choice, n_prompt) {
+        (H2oChoice::Auto { .. }, None) => return Ok((cli.engine.session_config(None), None)),
+        (_, None) => {
+            let h2o = choice.h2o().map(|h2o| cli.h2o.on_backend(h2o, gpu));
+            return Ok((cli.engine.session_config(h2o), None));
+        }
+        (H2oChoice::Auto { .. }, Some(n)) => n,
+        (_, Some(n)) => {
+            let h2o = cli.h2o.for_prompt(n, gpu)?;
+            return Ok((cli.engine.session_config(h2o), None));
+        }
     };
-    let config = cli.engine.session_config(h2o);
-    if let (H2oChoice::Auto { .. }, Some(n), Some(_)) = (choice, n_prompt, h2o) {
+    let Some(h2o) = cli.h2o.for_prompt(n, gpu)? else {
+        let decision = AutoDecision {
+            outcome: "full_attention",
+            note: auto_note(None, n, gpu),
+        };
+        return Ok((cli.engine.session_config(None), Some(decision)));
+    };
+    let fit = AutoFit::of(h2o, &cli.engine, cli.engine.ctx_size());
+    if let (
+        AutoFit::FullAttention { .. },
+        H2oChoice::Auto {
+            sparse_decode_asked: true,
+            ..
+        },
+    ) = (fit, choice)
+    {
+        return Err(Error::InvalidConfig(format!(
+            "--h2o-decode sparse and --h2o-decode-coverage need H2O on, and {}: add --h2o on \
+             with --h2o-local/--h2o-heavy that fit the chunk (or use --h2o-decode full)",
+            fit.note()
+        ))
+        .into());
+    }
+    let config = cli.engine.session_config(fit.h2o());
+    if fit.h2o().is_some() {
         config.validate().map_err(|e| {
             H2oChoice::refused_by_itself(
                 e,
@@ -282,27 +328,35 @@ fn session_config(cli: &Cli, n_prompt: Option<usize>) -> Result<SessionConfig> {
             )
         })?;
     }
-    Ok(config)
+    let decision = AutoDecision {
+        outcome: fit.outcome(),
+        note: auto_note(Some(fit), n, gpu),
+    };
+    Ok((config, Some(decision)))
 }
 
-/// Why a run left to decide (`--h2o auto`) uses H2O or not.
-fn auto_note(on: bool, n_prompt: usize, layers_on_gpu: bool) -> String {
+/// Why a run left to decide (`--h2o auto`) uses H2O or not: `fit` is what H2O turned on by
+/// itself came to on the flags' chunks (`None`: it did not turn on).
+fn auto_note(fit: Option<AutoFit>, n_prompt: usize, layers_on_gpu: bool) -> String {
     let from = H2oConfig::AUTO_FROM_TOKENS;
-    if on {
-        format!(
+    match fit {
+        Some(AutoFit::Fits(_)) => format!(
             "H2O on by itself: the prompt has {n_prompt} tokens, {from} or more (--h2o off for \
              full attention)"
-        )
-    } else if layers_on_gpu {
-        format!(
+        ),
+        Some(fit) => format!(
+            "full attention: the prompt has {n_prompt} tokens, {from} or more, but {} (--h2o on \
+             with --h2o-local/--h2o-heavy that fit the chunk to use it anyway)",
+            fit.note()
+        ),
+        None if layers_on_gpu => format!(
             "full attention: {} (--h2o on to use it anyway)",
             H2oChoice::why_full_attention(n_prompt, true)
-        )
-    } else {
-        format!(
+        ),
+        None => format!(
             "full attention: the prompt has {n_prompt} tokens, H2O turns on by itself from {from} \
              (--h2o on to use it anyway)"
-        )
+        ),
     }
 }
 
@@ -449,6 +503,7 @@ fn report(
     generation: &Generation,
     cached: usize,
     before: Option<H2oState>,
+    auto: Option<&AutoDecision>,
 ) -> Result<()> {
     let config = session.config();
     let t = &generation.timings;
@@ -471,6 +526,10 @@ fn report(
             n_ubatch: config.n_ubatch,
             n_ctx: session.n_ctx(),
             h2o: session.config().h2o,
+            h2o_auto: auto.map(|a| AutoRecord {
+                outcome: a.outcome,
+                note: &a.note,
+            }),
             time_to_first_token_ms: t.time_to_first_token.as_secs_f64() * 1e3,
             prefill_ms: t.prefill.as_secs_f64() * 1e3,
             prefill_tokens_per_second: t.prefill_tokens_per_second(),

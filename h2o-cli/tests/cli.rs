@@ -112,6 +112,60 @@ fn the_demo_prompt_turns_h2o_on_by_itself() {
 }
 
 #[test]
+fn h2o_by_itself_leaves_everyday_micro_batches_to_full_attention() {
+    let _engine = common::one_engine_at_a_time();
+    // llama.cpp's default -ub and smaller ones, on a prompt long enough for H2O to turn on by
+    // itself: chunks that do not hold its memory run full attention, never a refusal of what
+    // full attention runs
+    let n = (h2o_llama::H2oConfig::AUTO_FROM_TOKENS + 4).to_string();
+    for ub in ["512", "256"] {
+        let args = [
+            "--synthetic-prompt",
+            &n,
+            "-c",
+            "4608",
+            "-ub",
+            ub,
+            "-n",
+            "1",
+            "--temp",
+            "0",
+            "--json",
+        ];
+        let o = cli(&args);
+        assert!(o.status.success(), "-ub {ub}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["h2o_auto"]["outcome"], "full_attention", "-ub {ub}: {v}");
+        let note = v["h2o_auto"]["note"].as_str().unwrap();
+        assert!(note.contains(&format!("-ub {ub} ")), "-ub {ub}: {v}");
+        assert_eq!(v["n_ubatch"], ub.parse::<u32>().unwrap(), "{v}");
+        assert!(v["h2o"].is_null(), "-ub {ub}: {v}");
+        assert_eq!(v["sparse_chunks"], 0, "{v}");
+    }
+    // what came of it said on stderr, with the way out
+    let o = cli(&[
+        "--synthetic-prompt",
+        &n,
+        "-c",
+        "4608",
+        "-ub",
+        "32",
+        "-n",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("chunks of -ub 32 (-ub capped by -b and -c)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--h2o on") && err.contains("full attention"),
+        "{err}"
+    );
+}
+
+#[test]
 fn h2o_on_and_off_override_the_prompts_length() {
     let _engine = common::one_engine_at_a_time();
     // a short prompt: full attention unless --h2o on
@@ -190,8 +244,13 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
             3,
             "--h2o off is full attention",
         ),
-        // the demo prompt turns H2O on, whose L + H = 512 do not fit chunks of 512
-        (&["-ub", "512", "-n", "0"], 3, "or --h2o off for full attention"),
+        // H2O asked for: its L + H = 512 do not fit chunks of 512 (left to decide, they run
+        // full attention)
+        (
+            &["-ub", "512", "--h2o", "on", "-n", "0"],
+            3,
+            "must be smaller than the chunk size -ub 512",
+        ),
         (&["bench", "--h2o", "off"], 3, "leave out --h2o"),
         // a command that sets a flag itself refuses it by name rather than ignoring it
         (&["bench", "-c", "4096"], 3, "h2o-cli bench takes no -c"),

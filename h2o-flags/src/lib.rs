@@ -39,7 +39,7 @@ pub mod llama_spellings;
 pub use engine::{EngineFlag, EngineFlags};
 
 use clap::{Args, ValueEnum};
-use h2o_llama::{Error, H2oConfig, Selection};
+use h2o_llama::{Error, H2oConfig, Selection, SessionConfig};
 
 /// Whether a run or the server uses H2O (`--h2o`).
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -327,6 +327,80 @@ impl H2oChoice {
     }
 }
 
+/// What H2O turned on by itself (`--h2o auto`) comes to on the engine's chunks: itself where
+/// its memory fits them (M = L + H < S), full attention where it does not (an `-ub` of 512 or
+/// less, llama.cpp's default among them). Never a refusal: full attention would have run. A
+/// memory scaled to such chunks was measured and left out: at `-ub 512`, L = H = 128 lost +0.8
+/// to +2.4 % perplexity on six texts at 4K and L = H = 192 up to +1.7 %, where the default
+/// keeps prose and fiction within +1 % (docs/results/prefill-speed/README.md, "Chunks that do
+/// not hold the memory").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AutoFit {
+    /// The memory fits the chunks.
+    Fits(H2oConfig),
+    /// The memory does not fit chunks of `chunk` tokens: full attention.
+    FullAttention { chunk: u32 },
+}
+
+impl AutoFit {
+    /// `h2o`, which H2O turned on by itself, on the chunks of `engine`'s flags with H2O on in a
+    /// context of `n_ctx` tokens (0: the model's).
+    pub fn of(h2o: H2oConfig, engine: &EngineFlags, n_ctx: u32) -> Self {
+        let chunk = SessionConfig {
+            n_ctx,
+            ..engine.session_config(Some(h2o))
+        }
+        .chunk_size();
+        if h2o.memory_size() < u64::from(chunk) {
+            AutoFit::Fits(h2o)
+        } else {
+            AutoFit::FullAttention { chunk }
+        }
+    }
+
+    /// The configuration that runs (`None`: full attention).
+    pub fn h2o(&self) -> Option<H2oConfig> {
+        match *self {
+            AutoFit::Fits(h2o) => Some(h2o),
+            AutoFit::FullAttention { .. } => None,
+        }
+    }
+
+    /// One word for machine-read records (`--json`, `/props`): `on` or `full_attention`.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            AutoFit::Fits(_) => "on",
+            AutoFit::FullAttention { .. } => "full_attention",
+        }
+    }
+
+    /// What a user reads, as a clause: the memory on the chunks, or why full attention runs.
+    pub fn note(&self) -> String {
+        match *self {
+            AutoFit::Fits(h2o) => format!(
+                "its memory of L = {} H = {} fits the chunks",
+                h2o.local, h2o.heavy
+            ),
+            AutoFit::FullAttention { chunk } => format!(
+                "chunks of -ub {chunk} (-ub capped by -b and -c) do not hold H2O's memory of \
+                 L + H = {}, and a memory scaled down to them loses more than the default allows: \
+                 H2O turns on by itself with -ub {} or more",
+                2 * H2oConfig::RECOMMENDED_MEMORY,
+                2 * H2oConfig::RECOMMENDED_MEMORY + 1
+            ),
+        }
+    }
+}
+
+/// What `--h2o auto` came to for a run or the server: a word for machine-read records
+/// (h2o-cli's `--json`, h2o-server's `/props`: `on`, `scaled` or `full_attention`) and what
+/// a user reads on stderr.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoDecision {
+    pub outcome: &'static str,
+    pub note: String,
+}
+
 impl H2oFlags {
     /// This policy and the given sinks with a memory of `local` and `heavy` positions (not
     /// checked: sessions check it when they are created); decode as `--h2o-decode` says, full
@@ -559,6 +633,48 @@ mod tests {
             .choice()
             .unwrap();
         assert!(given.for_prompt(100, true).unwrap().is_some());
+    }
+
+    #[test]
+    fn h2o_by_itself_leaves_chunks_that_do_not_hold_its_memory_to_full_attention() {
+        #[derive(Parser)]
+        struct Both {
+            #[command(flatten)]
+            engine: EngineFlags,
+            #[command(flatten)]
+            h2o: H2oFlags,
+        }
+        let fit = |args: &[&str], n_ctx: u32| {
+            let both = Both::try_parse_from(std::iter::once("app").chain(args.iter().copied()))
+                .expect("flags parse");
+            let h2o = both.h2o.choice().unwrap().h2o().unwrap();
+            AutoFit::of(h2o, &both.engine, n_ctx)
+        };
+        let automatic = H2oConfig::automatic();
+        assert_eq!(fit(&[], 0), AutoFit::Fits(automatic));
+        assert_eq!(fit(&[], 0).outcome(), "on");
+        assert_eq!(fit(&["--ubatch-size", "513"], 0), AutoFit::Fits(automatic));
+        // llama.cpp's default -ub, and smaller ones
+        for ub in [512, 256, 32] {
+            let small = fit(&["--ubatch-size", &ub.to_string()], 0);
+            assert_eq!(small, AutoFit::FullAttention { chunk: ub });
+            assert_eq!((small.h2o(), small.outcome()), (None, "full_attention"));
+            assert!(
+                small.note().contains(&format!("-ub {ub} ")),
+                "{}",
+                small.note()
+            );
+            assert!(small.note().contains("-ub 513 or more"), "{}", small.note());
+        }
+        // -b caps a left-out -ub, and -c caps the chunk
+        assert_eq!(
+            fit(&["--batch-size", "32"], 4096),
+            AutoFit::FullAttention { chunk: 32 }
+        );
+        assert_eq!(
+            fit(&["--ubatch-size", "2048"], 500),
+            AutoFit::FullAttention { chunk: 500 }
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use h2o_flags::{llama_spellings, EngineFlags, H2oChoice, H2oFlags};
+use h2o_flags::{llama_spellings, AutoDecision, AutoFit, EngineFlags, H2oChoice, H2oFlags};
 use h2o_llama::{
     default_model, models, Error, ErrorKind, FlashAttention, H2oConfig, SessionConfig,
 };
@@ -237,21 +237,47 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
     // prompts full attention: a sequence's H2O settings are kept with its cache, and a prompt
     // under other settings (a dense tail of the whole prompt) reuses none of a conversation's
     // cached prefix. Prompts of one chunk are full attention anyway.
-    let (h2o, h2o_auto) = match cli.h2o.choice()? {
-        H2oChoice::Off => (None, false),
+    // Chunks that do not hold the memory run full attention (`AutoFit`): never a refusal of
+    // flags full attention runs.
+    let (h2o, auto) = match cli.h2o.choice()? {
+        H2oChoice::Off => (None, None),
         H2oChoice::On(h2o) => (
             Some(cli.h2o.on_backend(h2o, cli.engine.layers_on_gpu())),
-            false,
+            None,
         ),
         H2oChoice::Auto { h2o, .. } => {
-            let fits = ctx_size == 0 || H2oConfig::automatic_for(per_slot as usize);
-            if fits && !cli.engine.layers_on_gpu() && !cli.context_shift && !cli.kv_unified {
-                (Some(h2o), true)
+            let why_not = if ctx_size > 0 && !H2oConfig::automatic_for(per_slot as usize) {
+                Some(format!(
+                    "no slot holds a prompt long enough for it ({per_slot} tokens each, H2O turns \
+                     on by itself from {})",
+                    H2oConfig::AUTO_FROM_TOKENS
+                ))
+            } else if cli.engine.layers_on_gpu() {
+                Some("the layers run on the GPU (-ngl)".into())
+            } else if cli.context_shift || cli.kv_unified {
+                Some(
+                    "a full-attention feature was asked for (--context-shift, --kv-unified)".into(),
+                )
             } else {
-                (None, false)
+                None
+            };
+            match why_not {
+                Some(why) => (None, Some(left_off(&why))),
+                None => {
+                    let fit = AutoFit::of(h2o, &cli.engine, per_slot);
+                    let decision = match fit {
+                        AutoFit::Fits(_) => AutoDecision {
+                            outcome: fit.outcome(),
+                            note: "on by itself; --h2o off for full attention".into(),
+                        },
+                        AutoFit::FullAttention { .. } => left_off(&fit.note()),
+                    };
+                    (fit.h2o(), Some(decision))
+                }
             }
         }
     };
+    let h2o_auto = h2o.is_some() && auto.is_some();
     let jinja_template = match (&cli.chat_template_file, &cli.chat_template) {
         (Some(path), _) => Some(std::fs::read_to_string(path).map_err(|e| {
             Error::InvalidConfig(format!(
@@ -356,6 +382,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         n_parallel: cli.parallel,
         session: slot,
         session_if_short,
+        h2o_auto: auto,
         n_gpu_layers: cli.engine.n_gpu_layers,
         queue_capacity: cli.queue,
         chat_template: cli.chat_template.clone(),
@@ -513,6 +540,14 @@ async fn shutdown_engine(engine: EngineHandle) {
     let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
 }
 
+/// H2O left to decide and left off, because of `why`.
+pub(crate) fn left_off(why: &str) -> AutoDecision {
+    AutoDecision {
+        outcome: "full_attention",
+        note: format!("H2O left off: {why}; --h2o on to use it"),
+    }
+}
+
 /// One line on what serves: model, slots, batches, attention, queue.
 fn print_setup(engine: &EngineHandle, cli: &Cli) {
     let info = engine.info();
@@ -532,13 +567,8 @@ fn print_setup(engine: &EngineHandle, cli: &Cli) {
         ),
         _ => "full attention".into(),
     };
-    if let Ok(H2oChoice::Auto { .. }) = cli.h2o.choice() {
-        attention += if info.h2o.is_some() {
-            " (on by itself; --h2o off for full attention)"
-        } else {
-            " (H2O left off: no slot holds a prompt long enough for it, a full-attention \
-             feature was asked for, or the layers run on the GPU; --h2o on to use it)"
-        };
+    if let Some(auto) = &info.h2o_auto {
+        attention += &format!(" ({})", auto.note);
     }
     eprintln!(
         "h2o-server: {} | {} slot{} {} {} tokens | -b {} -ub {} -fa {} | {attention} | queue {}{}",
@@ -641,9 +671,52 @@ mod tests {
             let c = config(args);
             assert_eq!(c.session.h2o, None, "{args:?}");
         }
-        // an -ub the automatic memory does not fit is named with the way out
-        let err = engine_config(&cli(&["-ub", "512"]), PathBuf::new()).unwrap_err();
-        assert!(format!("{err:#}").contains("--h2o off"), "{err:#}");
+    }
+
+    #[test]
+    fn h2o_by_itself_leaves_chunks_that_do_not_hold_its_memory_to_full_attention() {
+        let config = |args: &[&str]| engine_config(&cli(args), PathBuf::new()).unwrap();
+        // llama.cpp's server tests' command line, llama.cpp's default -ub and smaller chunks:
+        // full attention, and said
+        for args in [
+            &[
+                "--batch-size",
+                "32",
+                "--ctx-size",
+                "4096",
+                "--parallel",
+                "1",
+            ][..],
+            &["-ub", "512"],
+            &["-c", "8192", "-np", "1", "-b", "300"],
+        ] {
+            let c = config(args);
+            assert_eq!(c.session.h2o, None, "{args:?}");
+            assert!(c.session.validate().is_ok(), "{args:?}");
+            let auto = c.h2o_auto.unwrap();
+            assert_eq!(auto.outcome, "full_attention", "{args:?}");
+            assert!(
+                auto.note.contains("do not hold H2O's memory"),
+                "{args:?}: {auto:?}"
+            );
+        }
+        let c = config(&["-b", "32"]);
+        assert_eq!((c.session.n_batch, c.session.n_ubatch), (32, 32));
+        // the recommended memory where it fits, and nothing said with --h2o on or off
+        assert_eq!(config(&[]).h2o_auto.unwrap().outcome, "on");
+        assert!(config(&["--h2o", "off"]).h2o_auto.is_none());
+        // asked for explicitly, a memory the chunk cannot hold is still refused
+        for args in [
+            &["-ub", "512", "--h2o", "on"][..],
+            &["-ub", "512", "--h2o-local", "256", "--h2o-heavy", "256"],
+        ] {
+            let err = engine_config(&cli(args), PathBuf::new()).unwrap_err();
+            let err = format!("{err:#}");
+            assert!(
+                err.contains("must be smaller than the chunk size -ub 512"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -195,6 +195,7 @@ mod tests {
             n_ubatch: 64,
             flash_attn: h2o_llama::FlashAttention::Off,
             h2o: None,
+            h2o_auto: None,
             created: 0,
             n_vocab: 256,
             aliases: Vec::new(),

@@ -1124,3 +1124,129 @@ fn bad_flags_exit_with_a_message_naming_the_flag() {
     }
     drop(taken);
 }
+
+/// llama.cpp's server tests start llama-server with a small `-b`; such command lines, and
+/// llama.cpp's default `-ub`, start and serve: H2O turned on by itself leaves chunks that do not
+/// hold its memory to full attention, and `/props` and the setup line say so.
+#[test]
+fn everyday_llama_server_command_lines_start_and_serve() {
+    let _engine = common::one_engine_at_a_time();
+    for (args, outcome, memory) in [
+        (
+            &[
+                "--batch-size",
+                "32",
+                "--ctx-size",
+                "4096",
+                "--parallel",
+                "1",
+            ][..],
+            "full_attention",
+            None,
+        ),
+        (&["-ub", "512"], "full_attention", None),
+        (&[], "on", Some(256)),
+    ] {
+        let server = Server::start(args);
+        let props = get_json(&server, "/props");
+        assert_eq!(props["h2o_auto"]["outcome"], outcome, "{args:?}: {props}");
+        match memory {
+            Some(m) => assert_eq!(props["h2o"]["local"], m, "{props}"),
+            None => assert!(props["h2o"].is_null(), "{props}"),
+        }
+        let (status, v) = post(
+            &server,
+            "/completion",
+            &json!({"prompt": "I believe the meaning of life is", "n_predict": 8}),
+        );
+        assert_eq!(status, 200, "{args:?}: {v}");
+        assert_eq!(v["tokens_predicted"], 8, "{v}");
+        let log = server.log_text();
+        assert!(
+            log.contains(props["h2o_auto"]["note"].as_str().unwrap()),
+            "{log}"
+        );
+    }
+}
+
+/// As llama-server: a request's seed (or the server's `--seed`) seeds its own sampler, so that
+/// identical requests give identical text whatever the slot they run on, first or later, alone
+/// or beside another, streamed or not.
+#[test]
+fn identical_seeded_requests_give_identical_text_on_every_slot() {
+    let _engine = common::one_engine_at_a_time();
+    // full attention, and H2O with sparse decode
+    for h2o in ["off", "on"] {
+        seeded_requests_agree(&[
+            "--seed",
+            "42",
+            "--temp",
+            "0.8",
+            "--parallel",
+            "2",
+            "-c",
+            "4096",
+            "--h2o",
+            h2o,
+        ]);
+    }
+}
+
+fn seeded_requests_agree(args: &[&str]) {
+    let server = Server::start(args);
+    let body = json!({"prompt": "I believe the meaning of life is", "n_predict": 24});
+    let text = |v: &Value| v["content"].as_str().unwrap().to_string();
+    let (status, first) = post(&server, "/completion", &body);
+    assert_eq!(status, 200, "{first}");
+    let first_text = text(&first);
+    for _ in 0..2 {
+        assert_eq!(text(&post(&server, "/completion", &body).1), first_text);
+    }
+    // without the cached prompt, as llama.cpp's own test of this asks
+    let mut uncached = body.clone();
+    uncached["cache_prompt"] = json!(false);
+    assert_eq!(text(&post(&server, "/completion", &uncached).1), first_text);
+    // streamed
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = client()
+        .post(server.url("/completion"))
+        .json(&streamed)
+        .send()
+        .unwrap();
+    let (events, _) = read_sse(r, usize::MAX);
+    let pieces: String = events
+        .iter()
+        .map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(pieces, first_text);
+    // two at once, so that both slots run side by side in the same decode steps
+    let both: Vec<(String, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    let v = post(&server, "/completion", &body).1;
+                    (text(&v), v["id_slot"].clone())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let slots: Vec<&Value> = both.iter().map(|(_, slot)| slot).collect();
+    assert_ne!(
+        slots[0], slots[1],
+        "both requests ran on one slot: {both:?}"
+    );
+    for (t, slot) in &both {
+        assert_eq!(t, &first_text, "slot {slot}");
+    }
+    // another seed in the request gives other text (the seed is the request's)
+    let mut other = body.clone();
+    other["seed"] = json!(7);
+    assert_ne!(text(&post(&server, "/completion", &other).1), first_text);
+}

@@ -418,6 +418,16 @@ impl Default for SessionConfig {
 }
 
 impl SessionConfig {
+    /// The chunk size S that H2O runs with: `-ub`, capped at `-c` where given (llama.cpp caps
+    /// `-b` at `-c` and `-ub` at `-b`).
+    #[must_use]
+    pub fn chunk_size(&self) -> u32 {
+        match self.n_ctx {
+            0 => self.n_ubatch,
+            c => self.n_ubatch.min(c),
+        }
+    }
+
     /// This configuration on `model`, with what it leaves to the model chosen
     /// ([`H2oConfig::for_model`]); [`crate::Session::new`] creates its context with it.
     #[must_use]
@@ -457,11 +467,7 @@ impl SessionConfig {
             ));
         }
         if let Some(h2o) = self.h2o.filter(H2oConfig::is_enabled) {
-            // the chunk size S in effect: llama.cpp caps -b at -c (when given) and -ub at -b
-            let chunk = match self.n_ctx {
-                0 => self.n_ubatch,
-                c => self.n_ubatch.min(c),
-            };
+            let chunk = self.chunk_size();
             if h2o.memory_size() >= u64::from(chunk) {
                 let (limit, fix) = if chunk < self.n_ubatch {
                     (

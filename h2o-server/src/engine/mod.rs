@@ -33,6 +33,8 @@ pub struct EngineConfig {
     /// model's training context, which each slot then gets, holds no prompt long enough for H2O
     /// (`H2oConfig::automatic_for`): full attention with the flags' full-attention batches.
     pub session_if_short: Option<SessionConfig>,
+    /// With `--h2o auto`, what it came to (before `session_if_short` is known to apply).
+    pub h2o_auto: Option<h2o_flags::AutoDecision>,
     pub n_gpu_layers: i32,
     /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
     pub queue_capacity: usize,
@@ -70,6 +72,8 @@ pub struct EngineInfo {
     /// Flash attention in effect (auto is off with more than one slot).
     pub flash_attn: FlashAttention,
     pub h2o: Option<H2oConfig>,
+    /// With `--h2o auto`, what it came to: on, scaled to the chunks, or full attention, and why.
+    pub h2o_auto: Option<h2o_flags::AutoDecision>,
     /// The model's vocabulary size.
     pub n_vocab: usize,
     /// Unix seconds at start.

@@ -201,9 +201,17 @@ fn run(
         c => (c / config.n_parallel).max(1),
     };
     // -c 0 gives each slot the model's context, known only now
-    let session = match &config.session_if_short {
-        Some(short) if !H2oConfig::automatic_for(model.n_ctx_train() as usize) => short,
-        _ => &config.session,
+    let (session, h2o_auto) = match &config.session_if_short {
+        Some(short) if !H2oConfig::automatic_for(model.n_ctx_train() as usize) => {
+            let why = format!(
+                "no slot holds a prompt long enough for it (the model's context of {} tokens \
+                 each, H2O turns on by itself from {})",
+                model.n_ctx_train(),
+                H2oConfig::AUTO_FROM_TOKENS
+            );
+            (short, Some(crate::left_off(&why)))
+        }
+        _ => (&config.session, config.h2o_auto.clone()),
     };
     let session_config = SessionConfig {
         n_ctx: n_slot_ctx,
@@ -243,6 +251,7 @@ fn run(
         n_ubatch: session.config().n_ubatch,
         flash_attn: session.config().flash_attn,
         h2o: session.config().h2o.filter(H2oConfig::is_enabled),
+        h2o_auto,
         n_vocab: model.n_vocab(),
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -95,6 +95,8 @@ pub async fn props(State(state): State<Shared>) -> Json<Value> {
         "n_ubatch": info.n_ubatch,
         "flash_attn": info.flash_attn.name(),
         "h2o": info.h2o,
+        // with --h2o auto, what it came to and why (null with --h2o on or off)
+        "h2o_auto": info.h2o_auto.as_ref().map(|a| json!({"outcome": a.outcome, "note": a.note})),
         // the Jinja template's text and capabilities, as llama-server's (null without them)
         "chat_template": template.as_ref().map(|t| &t.source),
         "chat_template_caps": template.as_ref().map(|t| &t.caps),

@@ -42,6 +42,7 @@ impl Fake {
                 n_ubatch: 64,
                 flash_attn: h2o_llama::FlashAttention::Off,
                 h2o: Some(h2o_llama::H2oConfig::new(16, 16)),
+                h2o_auto: None,
                 created: 1_700_000_000,
                 n_vocab: 256,
                 aliases: Vec::new(),

@@ -503,6 +503,7 @@ mod tests {
             n_ctx_slot: 512,
             n_ubatch: 64,
             flash_attn: h2o_llama::FlashAttention::Off,
+            h2o_auto: None,
             h2o: h2o.then(|| h2o_llama::H2oConfig::new(16, 16)),
             created: 0,
             n_vocab: 256,
