@@ -313,6 +313,13 @@ fn slots_show_a_busy_slots_h2o_state_and_cors_and_templates_answer() {
         .unwrap()
         .iter()
         .all(|s| s["is_processing"] == false));
+    // llama-server's params: an idle slot shows the server's defaults
+    let params = &slots[0]["params"];
+    assert_eq!(
+        (&params["temperature"], &params["top_k"]),
+        (&json!(0.8f32), &json!(40)),
+        "{params}"
+    );
 
     // a long stream holds its slot while /slots is read
     let long = format!("{}Tell me more.", long_text(400));
@@ -348,6 +355,13 @@ fn slots_show_a_busy_slots_h2o_state_and_cors_and_templates_answer() {
     assert!(
         busy[0]["next_token"]["n_decoded"].as_u64().unwrap() >= 1,
         "{busy:?}"
+    );
+    // and a busy one its job's
+    let params = &busy[0]["params"];
+    assert_eq!(
+        (&params["seed"], &params["n_predict"]),
+        (&json!(1), &json!(400)),
+        "{params}"
     );
     drop(_rest);
 

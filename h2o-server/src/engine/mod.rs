@@ -385,6 +385,10 @@ pub struct SlotView {
     pub next_token: NextTokenView,
     /// `None` with full attention.
     pub h2o: Option<SlotH2oView>,
+    /// The running job's sampling (`None` when idle), which `/slots` shows as llama-server's
+    /// `params`.
+    #[serde(skip)]
+    pub sampling: Option<Sampling>,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]

@@ -414,6 +414,7 @@ impl<'m> Engine<'m> {
                 n_decoded: a.generated,
             },
             h2o,
+            sampling: Some(a.job.sampling.clone()),
         }
     }
 

@@ -107,15 +107,29 @@ pub async fn props(State(state): State<Shared>) -> Json<Value> {
     }))
 }
 
-/// `GET /slots`: each slot's state, and its H2O state (policy, memory, chunks run sparse,
-/// tokens reused); 501 with `--no-slots`.
+/// `GET /slots`: each slot's state, its `params` as llama-server shows them (the running job's
+/// sampling, the server's defaults when idle) and its H2O state (policy, memory, chunks run
+/// sparse, tokens reused); 501 with `--no-slots`.
 pub async fn slots(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
     if !state.options.slots {
         return Err(ApiError::not_supported(
             "this server was started with --no-slots: start it without it to see the slots",
         ));
     }
-    Ok(Json(json!(state.engine.slots())))
+    let info = state.engine.info();
+    let defaults = default_sampling(&state);
+    let slots: Vec<Value> = state
+        .engine
+        .slots()
+        .into_iter()
+        .map(|view| {
+            let sampling = view.sampling.as_ref().unwrap_or(&defaults);
+            let mut v = json!(view);
+            v["params"] = response::generation_settings(sampling, info);
+            v
+        })
+        .collect();
+    Ok(Json(Value::Array(slots)))
 }
 
 /// `POST /apply-template`.
