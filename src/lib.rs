@@ -53,7 +53,7 @@ pub use chat_templates::{
     ChatPrompt, ChatReply, ChatTemplateInfo, ChatTemplates, ReplyDelta, ReplyParser, ToolCall,
 };
 pub use error::{DecodeError, Error, ErrorKind, H2oError, Result};
-pub use model::{Model, ModelParams, Token};
+pub use model::{FimTokens, Model, ModelParams, Token};
 pub use sampler::{GrammarTriggers, Sampler, SamplerConfig, TokenLogprobs};
 pub use session::{
     AbortCheck, FlashAttention, Generation, H2oConfig, H2oState, Integrity, ParallelSession,

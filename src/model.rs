@@ -12,6 +12,19 @@ use crate::{backend, sys};
 /// A token id of the model's vocabulary.
 pub type Token = i32;
 
+/// A vocabulary's fill-in-the-middle tokens ([`Model::fim_tokens`]); `None` where it declares
+/// none. Infill needs the first three.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FimTokens {
+    pub prefix: Option<Token>,
+    pub suffix: Option<Token>,
+    pub middle: Option<Token>,
+    /// Starts a repository's name (repo-level infill).
+    pub repo: Option<Token>,
+    /// Starts a file of the repository.
+    pub separator: Option<Token>,
+}
+
 /// How to load a model.
 #[derive(Debug, Clone, Default)]
 pub struct ModelParams {
@@ -168,6 +181,24 @@ impl Model {
             )
         };
         (adds && bos >= 0).then_some(bos)
+    }
+
+    /// The fill-in-the-middle tokens the vocabulary declares (GGUF `tokenizer.ggml.fim_*`, or
+    /// found by their text when the model loads), for llama-server's `/infill`.
+    #[must_use]
+    pub fn fim_tokens(&self) -> FimTokens {
+        let some = |t: Token| (t >= 0).then_some(t);
+        // SAFETY: valid vocab of a valid model; these only read the vocabulary.
+        unsafe {
+            let v = self.vocab();
+            FimTokens {
+                prefix: some(sys::llama_vocab_fim_pre(v)),
+                suffix: some(sys::llama_vocab_fim_suf(v)),
+                middle: some(sys::llama_vocab_fim_mid(v)),
+                repo: some(sys::llama_vocab_fim_rep(v)),
+                separator: some(sys::llama_vocab_fim_sep(v)),
+            }
+        }
     }
 
     /// Embedding width.

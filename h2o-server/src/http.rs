@@ -186,6 +186,7 @@ pub fn router(state: Shared) -> Router {
         // without /v1, llama-server's own shape, as /completion
         .route("/completions", post(generate::llama_completion))
         .route("/completion", post(generate::llama_completion))
+        .route("/infill", post(generate::infill))
         .route("/v1/models", get(info::models))
         .route("/models", get(info::models))
         .route("/health", get(info::health))
@@ -445,7 +446,7 @@ async fn metrics_text(State(state): State<Shared>) -> Response {
 async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
     ApiError::not_found(format!(
         "no endpoint {method} {}: this server has POST /v1/chat/completions, POST /v1/completions, \
-         POST /completion, POST /tokenize, POST /detokenize, POST /apply-template, GET /v1/models, \
+         POST /completion, POST /infill, POST /tokenize, POST /detokenize, POST /apply-template, GET /v1/models, \
          GET /health, GET /metrics, GET /props and GET /slots",
         uri.path()
     ))

@@ -196,6 +196,7 @@ mod tests {
             flash_attn: h2o_llama::FlashAttention::Off,
             h2o: None,
             h2o_auto: None,
+            fim: h2o_llama::FimTokens::default(),
             created: 0,
             n_vocab: 256,
             aliases: Vec::new(),

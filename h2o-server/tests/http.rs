@@ -1250,3 +1250,93 @@ fn seeded_requests_agree(args: &[&str]) {
     other["seed"] = json!(7);
     assert_ne!(text(&post(&server, "/completion", &other).1), first_text);
 }
+
+/// `/infill` lays out its prompt by llama-server's rules with the fill-in-the-middle tokens the
+/// model's GGUF declares (a tiny random-weight model with the default model's tokenizer and
+/// five of its special tokens declared as FIM tokens); the default model, which declares none,
+/// gets llama-server's error.
+#[test]
+fn infill_lays_out_the_prompt_with_the_models_fim_tokens() {
+    let _engine = common::one_engine_at_a_time();
+    let server = Server::start(&["-c", "2048"]);
+    let (status, v) = post(
+        &server,
+        "/infill",
+        &json!({"input_prefix": "a", "input_suffix": "b"}),
+    );
+    assert_eq!(status, 501, "{v}");
+    assert_eq!(
+        v["error"]["message"],
+        "Infill is not supported by this model: prefix token is missing. suffix token is \
+         missing. middle token is missing. "
+    );
+    drop(server);
+
+    let dir = common::scratch("server-infill");
+    let mut tiny = common::tiny_models::llama_gqa();
+    // <repo_name>, <file_sep>, <issue_start>, <issue_comment>, <issue_closed>
+    let (rep, sep, pre, suf, mid) = (3, 5, 8, 9, 10);
+    for (key, id) in [
+        ("rep", rep),
+        ("sep", sep),
+        ("pre", pre),
+        ("suf", suf),
+        ("mid", mid),
+    ] {
+        tiny.gguf
+            .set(&format!("tokenizer.ggml.fim_{key}_token_id"), id as u32);
+    }
+    let path = dir.join("fim.gguf");
+    tiny.gguf.write(&path).unwrap();
+    let server = Server::start_model(
+        path.to_str().unwrap(),
+        &["-c", "2048", "-np", "1", "-b", "512"],
+        None,
+    );
+    let (prefix, suffix, prompt) = ("def add(a, b):\n", "\nprint(add(1, 2))\n", "    return");
+    let (status, v) = post(
+        &server,
+        "/infill",
+        &json!({"input_prefix": prefix, "input_suffix": suffix, "prompt": prompt,
+                "input_extra": [{"filename": "util.py", "text": "import os\n"}],
+                "n_predict": 4, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["tokens_predicted"], 4, "{v}");
+    // llama-server's layout: the repository and its files, then prefix, prompt, suffix
+    let tokens = |text: &str| -> Vec<i64> {
+        let t = tokenized_without_bos(&server, text);
+        t.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap())
+            .collect()
+    };
+    let want: Vec<i64> = [
+        vec![rep],
+        tokens("myproject\n"),
+        vec![sep],
+        tokens("util.py\n"),
+        tokens("import os\n"),
+        vec![sep],
+        tokens("filename\n"),
+        vec![pre],
+        tokens(prefix),
+        tokens(prompt),
+        vec![suf],
+        tokens(suffix),
+        vec![mid],
+    ]
+    .concat();
+    assert_eq!(v["tokens_evaluated"], want.len(), "{v}");
+    let (status, text) = post(&server, "/detokenize", &json!({ "tokens": want }));
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(v["prompt"], text["content"], "{v}");
+    assert!(
+        v["prompt"]
+            .as_str()
+            .unwrap()
+            .starts_with("<repo_name>myproject\n<file_sep>util.py"),
+        "{v}"
+    );
+}

@@ -74,6 +74,8 @@ pub struct EngineInfo {
     pub h2o: Option<H2oConfig>,
     /// With `--h2o auto`, what it came to: on, scaled to the chunks, or full attention, and why.
     pub h2o_auto: Option<h2o_flags::AutoDecision>,
+    /// The vocabulary's fill-in-the-middle tokens (`/infill` needs them).
+    pub fim: h2o_llama::FimTokens,
     /// The model's vocabulary size.
     pub n_vocab: usize,
     /// Unix seconds at start.
@@ -123,6 +125,28 @@ pub enum Prompt {
     Text(String),
     Tokens(Vec<PromptPiece>),
     Chat(Vec<ChatMessage>),
+    /// llama-server's `/infill`: laid out with the model's fill-in-the-middle tokens
+    /// ([`infill::infill_tokens`]).
+    Infill(Infill),
+}
+
+/// What `/infill` completes: the code before and after the cursor, other files of the
+/// project, and text that starts the completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Infill {
+    pub prefix: String,
+    pub suffix: String,
+    pub extra: Vec<InfillChunk>,
+    pub prompt: String,
+    /// The request's `n_predict` (-1: to the end of the slot), which the layout leaves room for.
+    pub n_predict: i64,
+}
+
+/// One file of `/infill`'s `input_extra`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InfillChunk {
+    pub filename: String,
+    pub text: String,
 }
 
 /// One element of a mixed `prompt` array: a token id, or text.
@@ -571,5 +595,6 @@ impl EngineHandle {
     }
 }
 
+pub mod infill;
 mod worker;
 pub use worker::start;

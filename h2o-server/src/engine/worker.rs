@@ -252,6 +252,7 @@ fn run(
         flash_attn: session.config().flash_attn,
         h2o: session.config().h2o.filter(H2oConfig::is_enabled),
         h2o_auto,
+        fim: model.fim_tokens(),
         n_vocab: model.n_vocab(),
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::{ApiJson, Shared};
 use crate::error::ApiError;
 use crate::log::{JobStats, RequestInfo};
-use crate::openai::{ChatRequest, CompletionRequest, LlamaCompletionRequest};
+use crate::openai::{ChatRequest, CompletionRequest, InfillRequest, LlamaCompletionRequest};
 use crate::response::{self, Head, LlamaShape, Output};
 use crate::run::Run;
 use crate::sse;
@@ -153,6 +153,29 @@ pub async fn llama_completion(
 ) -> Result<Response, ApiError> {
     let info = state.engine.info().clone();
     let (jobs, delivery) = body.into_job(&info)?;
+    llama_answer(&state, request, jobs, delivery, info).await
+}
+
+/// llama-server's `POST /infill`: code completion between `input_prefix` and `input_suffix`
+/// with the model's fill-in-the-middle tokens, answered as `/completion` answers.
+pub async fn infill(
+    State(state): State<Shared>,
+    Extension(request): Extension<RequestInfo>,
+    ApiJson(body): ApiJson<InfillRequest>,
+) -> Result<Response, ApiError> {
+    let info = state.engine.info().clone();
+    let (job, delivery) = body.into_job(&info)?;
+    llama_answer(&state, request, vec![job], delivery, info).await
+}
+
+/// `/completion`'s answer to `jobs`: a stream of one, or each job's object in order.
+async fn llama_answer(
+    state: &Shared,
+    request: RequestInfo,
+    jobs: Vec<crate::engine::Job>,
+    delivery: crate::openai::Delivery,
+    info: crate::engine::EngineInfo,
+) -> Result<Response, ApiError> {
     let shape = LlamaShape {
         probs: delivery.probs,
         probs_linear: delivery.probs_linear,
@@ -163,7 +186,7 @@ pub async fn llama_completion(
     let spell = state.spell();
     if delivery.stream {
         let job = jobs.into_iter().next().expect("a stream has one prompt");
-        let run = Run::start(&state, job, "prompt", request).await?;
+        let run = Run::start(state, job, "prompt", request).await?;
         let format = sse::Format::Llama {
             shape,
             settings: settings[0].clone(),
@@ -172,7 +195,7 @@ pub async fn llama_completion(
         return Ok(sse::respond(run, format, spell, delivery.progress));
     }
     let n = jobs.len();
-    let (outs, stats) = run_all(&state, jobs, "prompt", &request).await?;
+    let (outs, stats) = run_all(state, jobs, "prompt", &request).await?;
     let mut answers: Vec<Value> = outs
         .iter()
         .zip(&settings)

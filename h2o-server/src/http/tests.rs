@@ -43,6 +43,7 @@ impl Fake {
                 flash_attn: h2o_llama::FlashAttention::Off,
                 h2o: Some(h2o_llama::H2oConfig::new(16, 16)),
                 h2o_auto: None,
+                fim: h2o_llama::FimTokens::default(),
                 created: 1_700_000_000,
                 n_vocab: 256,
                 aliases: Vec::new(),
@@ -90,6 +91,7 @@ fn prompt_text(job: &Job) -> String {
             .map(|m| m.content.as_str())
             .collect::<Vec<_>>()
             .join(" "),
+        Prompt::Infill(i) => format!("{}<FILL>{}", i.prefix, i.suffix),
     }
 }
 
@@ -260,7 +262,11 @@ pub(super) async fn serve(capacity: usize, api_key: Option<&str>, max_body: usiz
 }
 
 pub(super) async fn serve_with(capacity: usize, options: Options) -> TestServer {
-    let fake = Arc::new(Fake::new(capacity));
+    serve_fake(Fake::new(capacity), options).await
+}
+
+async fn serve_fake(fake: Fake, options: Options) -> TestServer {
+    let fake = Arc::new(fake);
     let state = Arc::new(AppState::new(fake.clone(), options));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -1010,4 +1016,107 @@ async fn tokenize_and_detokenize_refuse_bad_bodies_with_400s() {
         );
         assert_eq!(answer["error"]["param"], param, "{path} {body}: {answer}");
     }
+}
+
+#[tokio::test]
+async fn infill_needs_the_fim_tokens_and_checks_its_fields_as_llama_server() {
+    // a vocabulary without them: llama-server's 501 and message
+    let s = serve(8, None, 1 << 20).await;
+    let (status, body) = s
+        .post_json(
+            "/infill",
+            &json!({"input_prefix": "a", "input_suffix": "b"}),
+        )
+        .await;
+    assert_error(
+        status,
+        &body,
+        StatusCode::NOT_IMPLEMENTED,
+        "not_supported_error",
+    );
+    assert_eq!(
+        body["error"]["message"],
+        "Infill is not supported by this model: prefix token is missing. suffix token is \
+         missing. middle token is missing. "
+    );
+
+    let mut fake = Fake::new(8);
+    fake.info.fim = h2o_llama::FimTokens {
+        prefix: Some(1),
+        suffix: Some(2),
+        middle: Some(3),
+        ..Default::default()
+    };
+    let s = serve_fake(fake, Options::new(None, 1 << 20)).await;
+    for (bad, message) in [
+        (
+            json!({"input_extra": "x"}),
+            "\"input_extra\" must be an array of",
+        ),
+        (
+            json!({"input_extra": [{"filename": "a.py"}]}),
+            "extra_context chunk must contain a \"text\" field with a string value",
+        ),
+        (
+            json!({"input_extra": [{"text": "t", "filename": 3}]}),
+            "extra_context chunk's \"filename\" field must be a string",
+        ),
+        (json!({"prompt": 5}), "\"prompt\" must be a string"),
+        (
+            json!({"input_prefix": ["a"]}),
+            "\"input_prefix\" must be a string",
+        ),
+        (json!({"input_suffix": "b", "n_predict": "x"}), "n_predict"),
+    ] {
+        let (status, body) = s.post_json("/infill", &bad).await;
+        assert_error(
+            status,
+            &body,
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+        );
+        let got = body["error"]["message"].as_str().unwrap();
+        assert!(got.contains(message), "{bad}: {got}");
+    }
+    // a good one runs as /completion runs, with the code around the cursor as its prompt
+    let (status, v) = s
+        .post_json(
+            "/infill",
+            &json!({"input_prefix": "def f(", "input_suffix": "):", "prompt": "a",
+                    "input_extra": [{"text": "x = 1"}, {"filename": "b.py", "text": "y"}],
+                    "n_predict": 4, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert!(v["content"].is_string() && v["stop"] == true, "{v}");
+    let job = s.fake.last.lock().unwrap().clone().unwrap();
+    let chunk = |filename: &str, text: &str| crate::engine::InfillChunk {
+        filename: filename.into(),
+        text: text.into(),
+    };
+    let Prompt::Infill(infill) = &job.prompt else {
+        panic!("not an infill prompt: {:?}", job.prompt);
+    };
+    assert_eq!(
+        infill,
+        &crate::engine::Infill {
+            prefix: "def f(".into(),
+            suffix: "):".into(),
+            extra: vec![chunk("tmp", "x = 1"), chunk("b.py", "y")],
+            prompt: "a".into(),
+            n_predict: 4,
+        }
+    );
+    assert_eq!(job.sampling.max_tokens, 4);
+    // and streams as /completion streams
+    let r = s
+        .post(
+            "/infill",
+            json!({"input_prefix": "a", "stream": true}).to_string(),
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let events = sse_data(&r.text().await.unwrap());
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["stop"], true, "{events:?}");
 }

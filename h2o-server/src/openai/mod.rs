@@ -19,9 +19,11 @@ use crate::error::ApiError;
 use crate::jinja::{self, ChatFields, Jinja};
 
 mod fields;
+mod infill;
 mod prompt;
 
 use fields::{count_field, h2o_overrides, max_tokens, response_format_grammar, sampling};
+pub use infill::InfillRequest;
 pub use prompt::{chat_messages, check_nul};
 use prompt::{check_messages, prompts};
 
@@ -504,6 +506,7 @@ mod tests {
             n_ubatch: 64,
             flash_attn: h2o_llama::FlashAttention::Off,
             h2o_auto: None,
+            fim: h2o_llama::FimTokens::default(),
             h2o: h2o.then(|| h2o_llama::H2oConfig::new(16, 16)),
             created: 0,
             n_vocab: 256,

@@ -8,6 +8,7 @@ use std::time::Instant;
 use h2o_llama::{ChatMessage, H2oConfig, Model, Sampler, SamplerConfig, Token};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::engine::infill::infill_tokens;
 use crate::engine::library_reason;
 
 use super::super::{Event, Job, JobError, Metrics, Prompt, PromptPiece};
@@ -150,6 +151,21 @@ impl Engine<'_> {
             Prompt::Text(t) => t.clone(),
             Prompt::Chat(messages) => render_chat(model, self.chat_template.as_deref(), messages)?,
             Prompt::Tokens(pieces) => return tokenize_pieces(model, pieces),
+            Prompt::Infill(infill) => {
+                let plain = |text: &str| {
+                    model
+                        .tokenize(text, false, false)
+                        .map_err(|e| JobError::Engine(e.to_string()))
+                };
+                return infill_tokens(
+                    &model.fim_tokens(),
+                    model.bos_token(),
+                    &plain,
+                    infill,
+                    self.session.config().n_batch as usize,
+                    self.session.n_ctx_seq() as usize,
+                );
+            }
         };
         let tokens = model
             .tokenize(&text, true, true)
