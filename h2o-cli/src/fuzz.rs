@@ -156,7 +156,9 @@ fn exercise(args: &[String]) {
                 let _ = config.validate();
             }
         }
-        let _ = h2o_llama::Sampler::new(&sampler_config(&cli));
+        if let Ok(config) = sampler_config(&cli) {
+            let _ = h2o_llama::Sampler::new(&config);
+        }
     }
 }
 
@@ -190,4 +192,10 @@ fn random_command_lines_parse_or_are_refused_never_panic() {
         findings.len()
     );
     assert!(findings.is_empty(), "panics on:\n{}", findings.join("\n\n"));
+}
+
+#[test]
+fn the_flags_are_declared_without_clashes() {
+    use clap::CommandFactory;
+    Cli::command().debug_assert();
 }

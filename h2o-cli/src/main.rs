@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use h2o_flags::{llama_spellings, AutoDecision, AutoFit, EngineFlags, H2oChoice, H2oFlags};
+use h2o_flags::{
+    llama_spellings, AutoDecision, AutoFit, EngineFlags, H2oChoice, H2oFlags, SamplingFlags,
+};
 use h2o_llama::{
     default_model, demo, models, Error, ErrorKind, Generation, H2oConfig, H2oState, Integrity,
     Model, PromptCache, Sampler, SamplerConfig, Session, SessionConfig,
@@ -63,21 +65,8 @@ struct Cli {
     /// Read the prompt from a UTF-8 text file
     #[arg(short = 'f', long, value_name = "FILE")]
     file: Option<PathBuf>,
-    /// Number of tokens to generate
-    #[arg(short = 'n', long, default_value_t = 64)]
-    n_predict: usize,
-    /// Sampling temperature; 0 = greedy
-    #[arg(long, default_value_t = 0.8)]
-    temp: f32,
-    /// Top-k sampling (0 = off)
-    #[arg(long, default_value_t = 40)]
-    top_k: i32,
-    /// Top-p sampling (1.0 = off)
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// Random seed [default: random]
-    #[arg(long)]
-    seed: Option<u32>,
+    #[command(flatten)]
+    sampling: SamplingFlags,
     #[command(flatten)]
     h2o: H2oFlags,
     /// Print one JSON record on stdout instead of text + summary
@@ -92,9 +81,6 @@ struct Cli {
     /// when FILE was saved with another model or other H2O settings
     #[arg(long, value_name = "FILE")]
     prompt_cache: Option<PathBuf>,
-    /// Echo llama.cpp's own log to stderr
-    #[arg(short = 'v', long)]
-    verbose: bool,
     /// Use exactly N tokens of the demo ledger as the prompt (for benchmarks)
     #[arg(long, value_name = "N", conflicts_with_all = ["prompt", "file"], hide = true)]
     synthetic_prompt: Option<usize>,
@@ -227,9 +213,11 @@ fn read_prompt(cli: &Cli) -> Result<(String, &'static str)> {
 }
 
 fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
-    h2o_llama::set_log_echo(cli.verbose);
+    h2o_llama::set_log_echo(cli.sampling.verbose);
     // Fail on bad parameters before any download or model load
     session_config(cli, None)?.validate()?;
+    sampler_config(cli)?;
+    cli.sampling.n_predict(N_PREDICT)?;
     let (prompt_text, prompt_source) = read_prompt(cli)?;
     if prompt_text.trim().is_empty() {
         return Err(Error::EmptyPrompt.into());
@@ -246,7 +234,7 @@ fn run(cli: &Cli, interrupt: Arc<AtomicBool>) -> Result<()> {
     let (config, auto) = plan(cli, Some(prompt.len()))?;
     let mut session = Session::new(&model, config)?;
     session.set_interrupt_flag(interrupt);
-    let mut sampler = Sampler::new(&sampler_config(cli))?;
+    let mut sampler = Sampler::new(&sampler_config(cli)?)?;
     if !cli.json {
         print_header(&model, &session, &prompt_text, prompt_source, prompt.len());
         if let Some(auto) = &auto {
@@ -360,18 +348,32 @@ fn auto_note(fit: Option<AutoFit>, n_prompt: usize, layers_on_gpu: bool) -> Stri
     }
 }
 
-fn sampler_config(cli: &Cli) -> SamplerConfig {
-    SamplerConfig {
-        temperature: cli.temp,
-        top_k: cli.top_k,
-        top_p: cli.top_p,
-        seed: cli.seed.unwrap_or_else(|| {
+/// Tokens a run generates where `-n` is left out, as before `-n -1` was taken.
+const N_PREDICT: i64 = 64;
+
+/// The sampler the flags give: a seed out of range is an error naming `--seed`.
+fn sampler_config(cli: &Cli) -> Result<SamplerConfig> {
+    let s = &cli.sampling;
+    Ok(SamplerConfig {
+        temperature: s.temp,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        seed: s.seed()?.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.subsec_nanos())
         }),
         ..SamplerConfig::default()
-    }
+    })
+}
+
+/// Tokens to generate after `n_prompt` more prompt tokens: `-n`, or with `-n -1` what the
+/// context has left.
+fn n_predict(cli: &Cli, session: &Session, n_prompt: usize) -> Result<usize> {
+    Ok(match cli.sampling.n_predict(N_PREDICT)? {
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        None => (session.n_ctx() as usize).saturating_sub(session.n_past() as usize + n_prompt),
+    })
 }
 
 /// What runs, on stderr: the model, the prompt, the flags in effect and the H2O state.
@@ -451,14 +453,9 @@ fn prefill_and_generate(
         }
         true
     };
+    let n_predict = n_predict(cli, session, rest.len())?;
     if cli.logits_out.is_none() && cli.prompt_cache.is_none() {
-        return Ok(session.generate_with_progress(
-            rest,
-            sampler,
-            cli.n_predict,
-            progress,
-            on_text,
-        )?);
+        return Ok(session.generate_with_progress(rest, sampler, n_predict, progress, on_text)?);
     }
     let start = std::time::Instant::now();
     match &cli.prompt_cache {
@@ -488,7 +485,7 @@ fn prefill_and_generate(
         std::fs::write(path, bytes)
             .with_context(|| format!("cannot write the logits to {}", path.display()))?;
     }
-    let mut g = session.generate_with_progress(&[], sampler, cli.n_predict, |_, _| {}, on_text)?;
+    let mut g = session.generate_with_progress(&[], sampler, n_predict, |_, _| {}, on_text)?;
     g.timings.prompt_tokens = rest.len();
     g.timings.prefill = prefill;
     g.timings.time_to_first_token += prefill;

@@ -1,7 +1,7 @@
 //! The flags that `h2o-cli`'s commands and `h2o-server` share, each declared once with one type
 //! and one default: the engine's ([`EngineFlags`]: `-m -c -b -ub -t -ngl -fa -ctk -ctv`), H2O's
-//! memory ([`H2oMemory`]) and policy ([`H2oPolicy`]), and llama.cpp's multi-letter spellings
-//! ([`llama_spellings`]). Both front ends turn them into the same [`SessionConfig`] and
+//! memory ([`H2oMemory`]) and policy ([`H2oPolicy`]), sampling ([`SamplingFlags`]: `--temp
+//! --top-k --top-p -s -n -v`), and llama.cpp's multi-letter spellings ([`llama_spellings`]). Both front ends turn them into the same [`SessionConfig`] and
 //! [`H2oConfig`].
 //!
 //! ```
@@ -35,8 +35,10 @@
 
 mod engine;
 pub mod llama_spellings;
+mod sampling;
 
 pub use engine::{EngineFlag, EngineFlags};
+pub use sampling::SamplingFlags;
 
 use clap::{Args, ValueEnum};
 use h2o_llama::{Error, H2oConfig, Selection, SessionConfig};

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use h2o_flags::{llama_spellings, AutoDecision, AutoFit, EngineFlags, H2oChoice, H2oFlags};
+use h2o_flags::{
+    llama_spellings, AutoDecision, AutoFit, EngineFlags, H2oChoice, H2oFlags, SamplingFlags,
+};
 use h2o_llama::{
     default_model, models, Error, ErrorKind, FlashAttention, H2oConfig, SessionConfig,
 };
@@ -97,22 +99,8 @@ struct Cli {
     /// Tags listed with the model in /v1/models, comma-separated
     #[arg(long, value_name = "TAGS")]
     tags: Option<String>,
-    /// Default seed of requests that give none (-1: a random one per request)
-    #[arg(short = 's', long, value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
-    seed: i64,
-    /// Default temperature of requests that give none (0: greedy)
-    #[arg(long, value_name = "T", default_value_t = 0.8)]
-    temp: f64,
-    /// Default top-k of requests that give none (0: off)
-    #[arg(long, value_name = "N", default_value_t = 40)]
-    top_k: i32,
-    /// Default top-p of requests that give none (1: off)
-    #[arg(long, value_name = "P", default_value_t = 0.95)]
-    top_p: f64,
-    /// Most tokens a request generates when it asks for none (-1: until the slot is full);
-    /// requests asking for more get this many
-    #[arg(short = 'n', long = "n-predict", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
-    n_predict: i64,
+    #[command(flatten)]
+    sampling: SamplingFlags,
     /// Chat template in place of the model's: one of llama.cpp's built-in templates by name
     /// (chatml, llama3, gemma, command-r, …) or a template's text (Jinja text also serves the
     /// Jinja templates)
@@ -162,10 +150,6 @@ struct Cli {
     /// No web page at / (404)
     #[arg(long = "no-webui")]
     no_webui: bool,
-    /// Echo llama.cpp's own log to stderr, and add llama-server's `__verbose` (the
-    /// `/completion` answer, with the prompt's text) to whole OpenAI answers
-    #[arg(short = 'v', long)]
-    verbose: bool,
 }
 
 /// The llama-server multi-letter flags h2o-server takes (clap cannot declare them).
@@ -225,6 +209,7 @@ fn exit_code(e: &anyhow::Error) -> u8 {
 
 /// What the engine is started with, checked before any download or model load.
 fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
+    let s = &cli.sampling;
     let ctx_size = cli.engine.ctx_size();
     let per_slot = if cli.kv_unified {
         ctx_size
@@ -400,11 +385,13 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         aliases: comma_list(cli.alias.as_deref()),
         tags: comma_list(cli.tags.as_deref()),
         defaults: RequestDefaults {
-            temperature: cli.temp,
-            top_k: cli.top_k,
-            top_p: cli.top_p,
-            seed: cli.seed,
-            n_predict: cli.n_predict,
+            temperature: f64::from(s.temp),
+            top_k: s.top_k,
+            top_p: f64::from(s.top_p),
+            seed: s.seed()?.map_or(-1, i64::from),
+            n_predict: s
+                .n_predict(-1)?
+                .map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX)),
         },
     })
 }
@@ -452,7 +439,7 @@ impl Stop {
 }
 
 async fn run(cli: Cli) -> Result<()> {
-    h2o_llama::set_log_echo(cli.verbose);
+    h2o_llama::set_log_echo(cli.sampling.verbose);
     let stop = Stop::install()?;
     // every check that needs no model first: a typo costs no download
     let mut config = engine_config(&cli, PathBuf::new())?;
@@ -498,7 +485,7 @@ async fn run(cli: Cli) -> Result<()> {
         slots: !cli.no_slots,
         webui: !cli.no_webui,
         slot_save_path: cli.slot_save_path.clone(),
-        verbose: cli.verbose,
+        verbose: cli.sampling.verbose,
         ..http::Options::new(cli.api_key.clone(), cli.max_body)
     };
     let state = Arc::new(http::AppState::new(Arc::new(engine.clone()), options));
@@ -600,6 +587,32 @@ mod tests {
             .chain(args.iter().copied())
             .map(String::from);
         Cli::try_parse_from(llama_spellings::expand(argv, LLAMA_FLAGS)).unwrap()
+    }
+
+    #[test]
+    fn the_flags_are_declared_without_clashes() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn sampling_flags_are_llama_servers_and_out_of_range_ones_are_refused() {
+        let c = engine_config(
+            &cli(&["-s", "42", "-n", "16", "--temp", "0.5"]),
+            PathBuf::new(),
+        )
+        .unwrap();
+        let d = c.defaults;
+        assert_eq!((d.seed, d.n_predict, d.temperature), (42, 16, 0.5));
+        let d = engine_config(&cli(&[]), PathBuf::new()).unwrap().defaults;
+        assert_eq!((d.seed, d.n_predict, d.top_k), (-1, -1, 40));
+        for (args, flag) in [
+            (&["-s", "-7"][..], "--seed"),
+            (&["-n", "-2"], "--n-predict"),
+        ] {
+            let err = engine_config(&cli(args), PathBuf::new()).unwrap_err();
+            assert!(format!("{err:#}").contains(flag), "{args:?}: {err:#}");
+        }
     }
 
     #[test]
