@@ -1,12 +1,11 @@
 //! The router: endpoints, the API key check, the request log, and the JSON body extractor that
 //! turns every malformed body into an OpenAI error object.
 //!
-//! Handlers reach the engine through the [`Engine`] trait rather than [`EngineHandle`] itself, so
-//! that the unit tests below can run the whole HTTP stack against a scripted engine, with no
-//! model.
+//! Handlers reach the engine through [`crate::state::Engine`] rather than the engine's handle
+//! itself, so that the unit tests below can run the whole HTTP stack against a scripted engine,
+//! with no model.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
@@ -15,167 +14,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use h2o_llama::{ChatMessage, Token};
-use serde::de::DeserializeOwned;
-use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{
-    EngineHandle, EngineInfo, Event, Job, JobError, Metrics, SlotOp, SlotOpDone, SlotOpError,
-    SlotView, SubmitError,
-};
+use crate::body::{parse_json, Body};
 use crate::error::ApiError;
 use crate::metrics;
-use crate::openai::Body;
-use crate::response::Spell;
-
-/// A slot operation's answer, boxed so that [`Engine`] stays a trait object.
-pub type SlotOpFuture<'a> = std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<SlotOpDone, SlotOpError>> + Send + 'a>,
->;
-
-/// What the HTTP layer needs of the engine.
-pub trait Engine: Send + Sync + 'static {
-    /// # Errors
-    /// As [`EngineHandle::submit`].
-    fn submit(&self, job: Job) -> Result<UnboundedReceiver<Event>, SubmitError>;
-    fn info(&self) -> &EngineInfo;
-    /// The Jinja chat templates (`--jinja`, `--no-jinja`, tools).
-    fn jinja(&self) -> &crate::jinja::Jinja;
-    fn metrics(&self) -> &Metrics;
-    fn slots(&self) -> Vec<SlotView>;
-    /// As [`EngineHandle::slot_op`].
-    fn slot_op(&self, id: u32, op: SlotOp) -> SlotOpFuture<'_>;
-    /// # Errors
-    /// As [`EngineHandle::apply_template`].
-    fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError>;
-    /// # Errors
-    /// As [`EngineHandle::tokenize`].
-    fn tokenize(
-        &self,
-        text: &str,
-        add_special: bool,
-        parse_special: bool,
-    ) -> Result<Vec<Token>, h2o_llama::Error>;
-    /// # Errors
-    /// As [`EngineHandle::token_piece`].
-    fn token_piece(&self, token: Token) -> Result<Vec<u8>, h2o_llama::Error>;
-    /// # Errors
-    /// As [`EngineHandle::detokenize`].
-    fn detokenize(&self, tokens: &[Token]) -> Result<String, h2o_llama::Error>;
-}
-
-impl Engine for EngineHandle {
-    fn submit(&self, job: Job) -> Result<UnboundedReceiver<Event>, SubmitError> {
-        EngineHandle::submit(self, job)
-    }
-
-    fn info(&self) -> &EngineInfo {
-        EngineHandle::info(self)
-    }
-
-    fn jinja(&self) -> &crate::jinja::Jinja {
-        EngineHandle::jinja(self)
-    }
-
-    fn metrics(&self) -> &Metrics {
-        EngineHandle::metrics(self)
-    }
-
-    fn slots(&self) -> Vec<SlotView> {
-        EngineHandle::slots(self)
-    }
-
-    fn slot_op(&self, id: u32, op: SlotOp) -> SlotOpFuture<'_> {
-        Box::pin(EngineHandle::slot_op(self, id, op))
-    }
-
-    fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
-        EngineHandle::apply_template(self, messages)
-    }
-
-    fn tokenize(
-        &self,
-        text: &str,
-        add_special: bool,
-        parse_special: bool,
-    ) -> Result<Vec<Token>, h2o_llama::Error> {
-        EngineHandle::tokenize(self, text, add_special, parse_special)
-    }
-
-    fn token_piece(&self, token: Token) -> Result<Vec<u8>, h2o_llama::Error> {
-        EngineHandle::token_piece(self, token)
-    }
-
-    fn detokenize(&self, tokens: &[Token]) -> Result<String, h2o_llama::Error> {
-        EngineHandle::detokenize(self, tokens)
-    }
-}
-
-/// Token spellings for the log-probability lists, from the engine's vocabulary.
-pub struct EngineSpell(pub Arc<dyn Engine>);
-
-impl Spell for EngineSpell {
-    fn bytes(&self, token: Token) -> Vec<u8> {
-        self.0.token_piece(token).unwrap_or_default()
-    }
-}
-
-/// Server settings the endpoints follow, beside the engine's.
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// `--api-key`: every endpoint but the public ones wants the key.
-    pub api_key: Option<String>,
-    /// `--max-body`, in bytes.
-    pub max_body: usize,
-    /// `GET /slots` (off: 501, `--no-slots`).
-    pub slots: bool,
-    /// The page at `/` (off: 404, `--no-webui`).
-    pub webui: bool,
-    /// `--slot-save-path`: where `POST /slots/{id}?action=save|restore` keep their files
-    /// (none: those answer 501).
-    pub slot_save_path: Option<std::path::PathBuf>,
-    /// `--verbose`: whole OpenAI answers carry llama-server's `__verbose`, the first choice's
-    /// `/completion` answer (its prompt text among it), for debugging templates.
-    pub verbose: bool,
-}
-
-impl Options {
-    #[must_use]
-    pub fn new(api_key: Option<String>, max_body: usize) -> Self {
-        Self {
-            api_key,
-            max_body,
-            slots: true,
-            webui: true,
-            slot_save_path: None,
-            verbose: false,
-        }
-    }
-}
-
-pub struct AppState {
-    pub engine: Arc<dyn Engine>,
-    pub options: Options,
-    /// Requests answered 503 because the queue was full (the engine never saw them).
-    pub rejected_queue_full: AtomicU64,
-}
-
-impl AppState {
-    pub fn new(engine: Arc<dyn Engine>, options: Options) -> Self {
-        Self {
-            engine,
-            options,
-            rejected_queue_full: AtomicU64::new(0),
-        }
-    }
-
-    /// Token spellings through this state's engine.
-    pub fn spell(&self) -> Arc<EngineSpell> {
-        Arc::new(EngineSpell(Arc::clone(&self.engine)))
-    }
-}
-
-pub(crate) type Shared = Arc<AppState>;
+pub use crate::state::{AppState, Engine, Options, Shared};
 
 pub fn router(state: Shared) -> Router {
     Router::new()
@@ -361,76 +204,6 @@ impl<T: Body> FromRequest<Shared> for ApiJson<T> {
             }
         })?;
         parse_json(&bytes).map(ApiJson)
-    }
-}
-
-/// Parses a request body: UTF-8, then JSON syntax, then the endpoint's fields and the common
-/// ones, each failure a 400 that says which.
-pub fn parse_json<T: Body>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Err(ApiError::invalid(
-            None,
-            "the request body is empty: send a JSON object",
-        ));
-    }
-    if let Err(e) = std::str::from_utf8(bytes) {
-        return Err(ApiError::invalid(
-            None,
-            format!(
-                "the request body is not UTF-8 text (invalid byte at offset {}): send JSON encoded as UTF-8",
-                e.valid_up_to()
-            ),
-        ));
-    }
-    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| json_error(".", e))?;
-    if !value.is_object() {
-        return Err(ApiError::invalid(
-            None,
-            "the request body must be a JSON object ({…})",
-        ));
-    }
-    let mut body: T = fields(value.clone())?;
-    if let Some(common) = body.common_mut() {
-        *common = fields(value)?;
-    }
-    Ok(body)
-}
-
-/// A struct from a JSON object, naming the field at fault.
-pub(crate) fn fields<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        json_error(&path, e.into_inner())
-    })
-}
-
-fn json_error(path: &str, e: serde_json::Error) -> ApiError {
-    use serde_json::error::Category;
-    match e.classify() {
-        Category::Syntax | Category::Eof | Category::Io => {
-            ApiError::invalid(None, format!("the request body is not valid JSON: {e}"))
-        }
-        Category::Data => {
-            let msg = e.to_string();
-            // serde reports a missing field at the object holding it: name the field itself
-            let missing = msg
-                .strip_prefix("missing field `")
-                .and_then(|rest| rest.split('`').next())
-                .map(|field| {
-                    if path == "." {
-                        field.to_string()
-                    } else {
-                        format!("{path}.{field}")
-                    }
-                });
-            match missing {
-                Some(param) => ApiError::field(&param, format!("missing field `{param}`")),
-                None if path == "." => {
-                    ApiError::invalid(None, format!("the request body does not fit: {msg}"))
-                }
-                None => ApiError::field(path, format!("{path}: {msg}")),
-            }
-        }
     }
 }
 

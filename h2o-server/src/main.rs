@@ -19,6 +19,7 @@ use h2o_llama::{
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
+mod body;
 mod engine;
 mod error;
 mod http;
@@ -29,6 +30,7 @@ mod openai;
 mod response;
 mod run;
 mod sse;
+mod state;
 
 use engine::{EngineConfig, EngineHandle, RequestDefaults};
 use jinja::JinjaMode;

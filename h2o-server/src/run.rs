@@ -8,9 +8,9 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{Event, Job, SubmitError};
 use crate::error::{engine_gone, job_error, ApiError};
-use crate::http::AppState;
 use crate::log::{JobStats, RequestInfo};
 use crate::response::Output;
+use crate::state::AppState;
 
 /// A submitted job whose first event has arrived: from here on the answer is a 200, or, for a
 /// stream, events in the body. Dropping it drops the receiver, which cancels the job.

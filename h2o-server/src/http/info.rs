@@ -11,9 +11,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{ApiJson, Shared};
+use crate::body::Body;
 use crate::engine::Sampling;
 use crate::error::ApiError;
-use crate::openai::{chat_messages, Body, ChatMessageIn};
+use crate::openai::{chat_messages, ChatMessageIn};
 use crate::response;
 
 pub async fn models(State(state): State<Shared>) -> Json<Value> {

@@ -10,9 +10,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::Shared;
+use crate::body::Body;
 use crate::engine::{SlotOp, SlotOpError};
 use crate::error::ApiError;
-use crate::openai::Body;
 
 /// The body of a save or a restore.
 #[derive(Debug, Deserialize)]

@@ -12,7 +12,12 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::*;
-use crate::engine::{FinishReason, JobError, JobTimings, Prompt};
+use crate::engine::{
+    EngineInfo, Event, FinishReason, Job, JobError, JobTimings, Metrics, Prompt, SlotView,
+    SubmitError,
+};
+use crate::state::SlotOpFuture;
+use h2o_llama::ChatMessage;
 
 /// Scripted by the prompt text: "too long" fails at once with `PromptTooLong`; "engine error"
 /// starts, sends one token and fails with `Engine`; "slow" sends a token every 20 ms (forever,

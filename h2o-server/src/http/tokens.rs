@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ApiJson, Shared};
+use crate::body::Body;
 use crate::error::ApiError;
-use crate::openai::{check_nul, Body};
+use crate::openai::check_nul;
 
 /// `POST /tokenize`.
 #[derive(Debug, Deserialize)]

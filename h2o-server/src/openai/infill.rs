@@ -4,7 +4,8 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::{check_nul, Body, LlamaCompletionRequest};
+use super::{check_nul, LlamaCompletionRequest};
+use crate::body::Body;
 use crate::engine::{EngineInfo, Infill, InfillChunk, Job, Prompt};
 use crate::error::ApiError;
 
@@ -52,7 +53,7 @@ impl InfillRequest {
         let mut rest = Value::Object(self.rest);
         rest["prompt"] = Value::from("-");
         let bytes = serde_json::to_vec(&rest).expect("a JSON value serialises");
-        let request: LlamaCompletionRequest = crate::http::parse_json(&bytes)?;
+        let request: LlamaCompletionRequest = crate::body::parse_json(&bytes)?;
         let n_predict = request.n_predict.unwrap_or(info.defaults.n_predict);
         let (mut jobs, delivery) = request.into_job(info)?;
         let mut job = jobs.pop().expect("one prompt, one job");

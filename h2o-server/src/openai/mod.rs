@@ -14,6 +14,7 @@ use h2o_llama::ReplyParser;
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::body::{fields, Body};
 use crate::engine::{EngineInfo, Job, Prompt};
 use crate::error::ApiError;
 use crate::jinja::{self, ChatFields, Jinja};
@@ -181,29 +182,24 @@ pub struct Common {
     pub h2o_decode_budget: Option<i64>,
 }
 
-/// A request body: its own fields, and for the generation endpoints the [`Common`] ones.
-pub trait Body: serde::de::DeserializeOwned {
-    /// Where the common fields go; `None` for bodies without them.
-    fn common_mut(&mut self) -> Option<&mut Common> {
-        None
-    }
-}
-
 impl Body for ChatRequest {
-    fn common_mut(&mut self) -> Option<&mut Common> {
-        Some(&mut self.common)
+    fn read_shared(&mut self, value: Value) -> Result<(), ApiError> {
+        self.common = fields(value)?;
+        Ok(())
     }
 }
 
 impl Body for CompletionRequest {
-    fn common_mut(&mut self) -> Option<&mut Common> {
-        Some(&mut self.common)
+    fn read_shared(&mut self, value: Value) -> Result<(), ApiError> {
+        self.common = fields(value)?;
+        Ok(())
     }
 }
 
 impl Body for LlamaCompletionRequest {
-    fn common_mut(&mut self) -> Option<&mut Common> {
-        Some(&mut self.common)
+    fn read_shared(&mut self, value: Value) -> Result<(), ApiError> {
+        self.common = fields(value)?;
+        Ok(())
     }
 }
 
@@ -284,8 +280,7 @@ impl ChatRequest {
                 struct Messages {
                     messages: Vec<ChatMessageIn>,
                 }
-                let m: Messages =
-                    crate::http::fields(serde_json::json!({ "messages": self.messages }))?;
+                let m: Messages = fields(serde_json::json!({ "messages": self.messages }))?;
                 Prompt::Chat(chat_messages(m.messages)?)
             }
         };
@@ -519,7 +514,7 @@ mod tests {
 
     /// As the server reads a body.
     fn parse<T: Body>(body: &Value) -> T {
-        crate::http::parse_json(body.to_string().as_bytes()).unwrap()
+        crate::body::parse_json(body.to_string().as_bytes()).unwrap()
     }
 
     fn chat(body: Value, h2o: bool) -> Result<(Job, Delivery), ApiError> {
