@@ -114,34 +114,35 @@ fn the_demo_prompt_turns_h2o_on_by_itself() {
 #[test]
 fn h2o_by_itself_leaves_everyday_micro_batches_to_full_attention() {
     let _engine = common::one_engine_at_a_time();
-    // llama.cpp's default -ub and smaller ones, on a prompt long enough for H2O to turn on by
+    // llama.cpp's default -ub and a smaller one, on a prompt long enough for H2O to turn on by
     // itself: chunks that do not hold its memory run full attention, never a refusal of what
-    // full attention runs
+    // full attention runs (-b 32 and -ub 32 are h2o-flags' unit tests and h2o-server's)
     let n = (h2o_llama::H2oConfig::AUTO_FROM_TOKENS + 4).to_string();
-    for ub in ["512", "256"] {
-        let args = [
-            "--synthetic-prompt",
-            &n,
-            "-c",
-            "4608",
-            "-ub",
-            ub,
-            "-n",
-            "1",
-            "--temp",
-            "0",
-            "--json",
-        ];
-        let o = cli(&args);
-        assert!(o.status.success(), "-ub {ub}: {}", stderr(&o));
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        assert_eq!(v["h2o_auto"]["outcome"], "full_attention", "-ub {ub}: {v}");
-        let note = v["h2o_auto"]["note"].as_str().unwrap();
-        assert!(note.contains(&format!("-ub {ub} ")), "-ub {ub}: {v}");
-        assert_eq!(v["n_ubatch"], ub.parse::<u32>().unwrap(), "{v}");
-        assert!(v["h2o"].is_null(), "-ub {ub}: {v}");
-        assert_eq!(v["sparse_chunks"], 0, "{v}");
-    }
+    let args = [
+        "--synthetic-prompt",
+        &n,
+        "-c",
+        "4608",
+        "-ub",
+        "512",
+        "-n",
+        "1",
+        "--temp",
+        "0",
+        "--json",
+    ];
+    let o = cli(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["h2o_auto"]["outcome"], "full_attention", "{v}");
+    let note = v["h2o_auto"]["note"].as_str().unwrap();
+    assert!(note.contains("chunks of -ub 512 "), "{v}");
+    assert_eq!(
+        (&v["n_ubatch"], &v["sparse_chunks"]),
+        (&512.into(), &0.into()),
+        "{v}"
+    );
+    assert!(v["h2o"].is_null(), "{v}");
     // what came of it said on stderr, with the way out
     let o = cli(&[
         "--synthetic-prompt",
@@ -149,14 +150,14 @@ fn h2o_by_itself_leaves_everyday_micro_batches_to_full_attention() {
         "-c",
         "4608",
         "-ub",
-        "32",
+        "256",
         "-n",
         "1",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(
-        err.contains("chunks of -ub 32 (-ub capped by -b and -c)"),
+        err.contains("chunks of -ub 256 (-ub capped by -b and -c)"),
         "{err}"
     );
     assert!(
