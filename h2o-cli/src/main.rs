@@ -127,8 +127,7 @@ struct Record<'a> {
     n_ubatch: u32,
     n_ctx: u32,
     h2o: Option<H2oConfig>,
-    /// with `--h2o auto`, what H2O came to: `on`, `scaled` (its memory to a small chunk) or
-    /// `full_attention`, and why
+    /// with `--h2o auto`, what H2O came to (`on` or `full_attention`) and why
     #[serde(skip_serializing_if = "Option::is_none")]
     h2o_auto: Option<AutoRecord<'a>>,
     time_to_first_token_ms: f64,
@@ -348,7 +347,7 @@ fn auto_note(fit: Option<AutoFit>, n_prompt: usize, layers_on_gpu: bool) -> Stri
     }
 }
 
-/// Tokens a run generates where `-n` is left out, as before `-n -1` was taken.
+/// Tokens a run generates where `-n` is left out.
 const N_PREDICT: i64 = 64;
 
 /// The sampler the flags give: a seed out of range is an error naming `--seed`.

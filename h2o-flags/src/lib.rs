@@ -1,8 +1,8 @@
 //! The flags that `h2o-cli`'s commands and `h2o-server` share, each declared once with one type
 //! and one default: the engine's ([`EngineFlags`]: `-m -c -b -ub -t -ngl -fa -ctk -ctv`), H2O's
 //! memory ([`H2oMemory`]) and policy ([`H2oPolicy`]), sampling ([`SamplingFlags`]: `--temp
-//! --top-k --top-p -s -n -v`), and llama.cpp's multi-letter spellings ([`llama_spellings`]). Both front ends turn them into the same [`SessionConfig`] and
-//! [`H2oConfig`].
+//! --top-k --top-p -s -n -v`), and llama.cpp's multi-letter spellings ([`llama_spellings`]).
+//! Both front ends turn them into the same [`SessionConfig`] and [`H2oConfig`].
 //!
 //! ```
 //! use clap::Parser;
@@ -395,8 +395,8 @@ impl AutoFit {
 }
 
 /// What `--h2o auto` came to for a run or the server: a word for machine-read records
-/// (h2o-cli's `--json`, h2o-server's `/props`: `on`, `scaled` or `full_attention`) and what
-/// a user reads on stderr.
+/// (h2o-cli's `--json`, h2o-server's `/props`: `on` or `full_attention`) and what a user reads
+/// on stderr.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AutoDecision {
     pub outcome: &'static str,
