@@ -281,10 +281,7 @@ fn plan(cli: &Cli, n_prompt: Option<usize>) -> Result<(SessionConfig, Option<Aut
         }
     };
     let Some(h2o) = cli.h2o.for_prompt(n, gpu)? else {
-        let decision = AutoDecision {
-            outcome: "full_attention",
-            note: auto_note(None, n, gpu),
-        };
+        let decision = AutoDecision::full_attention(auto_note(None, n, gpu));
         return Ok((cli.engine.session_config(None), Some(decision)));
     };
     let fit = AutoFit::of(h2o, &cli.engine, cli.engine.ctx_size());

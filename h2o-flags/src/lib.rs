@@ -371,8 +371,8 @@ impl AutoFit {
     /// One word for machine-read records (`--json`, `/props`): `on` or `full_attention`.
     pub fn outcome(&self) -> &'static str {
         match self {
-            AutoFit::Fits(_) => "on",
-            AutoFit::FullAttention { .. } => "full_attention",
+            AutoFit::Fits(_) => AutoDecision::ON,
+            AutoFit::FullAttention { .. } => AutoDecision::FULL_ATTENTION,
         }
     }
 
@@ -401,6 +401,26 @@ impl AutoFit {
 pub struct AutoDecision {
     pub outcome: &'static str,
     pub note: String,
+}
+
+impl AutoDecision {
+    /// The outcome where H2O runs.
+    pub const ON: &'static str = "on";
+    /// The outcome where full attention runs.
+    pub const FULL_ATTENTION: &'static str = "full_attention";
+
+    /// Full attention, with `note` saying why.
+    pub fn full_attention(note: String) -> Self {
+        Self {
+            outcome: Self::FULL_ATTENTION,
+            note,
+        }
+    }
+
+    /// Full attention because of `why`, as the server's setup line and `/props` say it.
+    pub fn left_off(why: &str) -> Self {
+        Self::full_attention(format!("H2O left off: {why}; --h2o on to use it"))
+    }
 }
 
 impl H2oFlags {

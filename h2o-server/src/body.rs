@@ -43,6 +43,11 @@ pub fn parse_json<T: Body>(bytes: &[u8]) -> Result<T, ApiError> {
             "the request body must be a JSON object ({…})",
         ));
     }
+    from_object(value)
+}
+
+/// A body from a JSON object already parsed: its own fields, then the shared ones.
+pub fn from_object<T: Body>(value: serde_json::Value) -> Result<T, ApiError> {
     let mut body: T = fields(value.clone())?;
     body.read_shared(value)?;
     Ok(body)

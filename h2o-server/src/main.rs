@@ -249,7 +249,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
                 None
             };
             match why_not {
-                Some(why) => (None, Some(left_off(&why))),
+                Some(why) => (None, Some(AutoDecision::left_off(&why))),
                 None => {
                     let fit = AutoFit::of(h2o, &cli.engine, per_slot);
                     let decision = match fit {
@@ -257,7 +257,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
                             outcome: fit.outcome(),
                             note: "on by itself; --h2o off for full attention".into(),
                         },
-                        AutoFit::FullAttention { .. } => left_off(&fit.note()),
+                        AutoFit::FullAttention { .. } => AutoDecision::left_off(&fit.note()),
                     };
                     (fit.h2o(), Some(decision))
                 }
@@ -527,14 +527,6 @@ async fn run(cli: Cli) -> Result<()> {
 /// [`EngineHandle::shutdown`] blocks until the engine thread has stopped: off the async threads.
 async fn shutdown_engine(engine: EngineHandle) {
     let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
-}
-
-/// H2O left to decide and left off, because of `why`.
-pub(crate) fn left_off(why: &str) -> AutoDecision {
-    AutoDecision {
-        outcome: "full_attention",
-        note: format!("H2O left off: {why}; --h2o on to use it"),
-    }
 }
 
 /// One line on what serves: model, slots, batches, attention, queue.

@@ -209,7 +209,7 @@ fn run(
                 model.n_ctx_train(),
                 H2oConfig::AUTO_FROM_TOKENS
             );
-            (short, Some(crate::left_off(&why)))
+            (short, Some(h2o_flags::AutoDecision::left_off(&why)))
         }
         _ => (&config.session, config.h2o_auto.clone()),
     };

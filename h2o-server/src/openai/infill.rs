@@ -52,8 +52,7 @@ impl InfillRequest {
         // the rest as a /completion request of one prompt, which the layout then replaces
         let mut rest = Value::Object(self.rest);
         rest["prompt"] = Value::from("-");
-        let bytes = serde_json::to_vec(&rest).expect("a JSON value serialises");
-        let request: LlamaCompletionRequest = crate::body::parse_json(&bytes)?;
+        let request: LlamaCompletionRequest = crate::body::from_object(rest)?;
         let n_predict = request.n_predict.unwrap_or(info.defaults.n_predict);
         let (mut jobs, delivery) = request.into_job(info)?;
         let mut job = jobs.pop().expect("one prompt, one job");
