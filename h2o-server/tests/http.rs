@@ -1245,6 +1245,21 @@ fn seeded_requests_agree(args: &[&str]) {
     for (t, slot) in &both {
         assert_eq!(t, &first_text, "slot {slot}");
     }
+    // pinned to each slot (llama-server's id_slot): it runs there, with the same text
+    for slot in 0..2 {
+        let mut pinned = body.clone();
+        pinned["id_slot"] = json!(slot);
+        let (status, v) = post(&server, "/completion", &pinned);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["id_slot"], json!(slot), "{v}");
+        assert_eq!(text(&v), first_text, "slot {slot}");
+    }
+    let mut nowhere = body.clone();
+    nowhere["id_slot"] = json!(2);
+    let (status, v) = post(&server, "/completion", &nowhere);
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("id_slot 2") && msg.contains("0 to 1"), "{msg}");
     // another seed in the request gives other text (the seed is the request's)
     let mut other = body.clone();
     other["seed"] = json!(7);

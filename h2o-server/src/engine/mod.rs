@@ -230,6 +230,9 @@ pub struct Job {
     /// Tokens a context shift keeps at the start (llama-server's `n_keep`; -1: the prompt), a
     /// BOS besides.
     pub n_keep: i64,
+    /// The slot the job must run on (llama-server's `id_slot`; `None`: the free slot sharing the
+    /// longest prefix). A job for a busy slot waits for it; later jobs may start before it.
+    pub id_slot: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

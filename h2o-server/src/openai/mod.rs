@@ -168,6 +168,10 @@ pub struct Common {
     /// Tokens a context shift keeps (llama-server's; -1: the prompt).
     #[serde(default)]
     pub n_keep: Option<i64>,
+    /// The slot to run on (llama-server's; -1 or absent: the idle slot sharing the longest
+    /// prefix).
+    #[serde(default)]
+    pub id_slot: Option<i64>,
     /// H2O overrides for this request (extensions of this server).
     #[serde(default)]
     pub h2o_select: Option<String>,
@@ -405,6 +409,20 @@ fn job(
                 return Err(ApiError::field(
                     "n_keep",
                     format!("n_keep must be -1 (the whole prompt) or more, got {n}"),
+                ))
+            }
+        },
+        id_slot: match common.id_slot {
+            None | Some(-1) => None,
+            Some(n) if (0..i64::from(info.n_parallel)).contains(&n) => Some(n as u32),
+            Some(n) => {
+                return Err(ApiError::field(
+                    "id_slot",
+                    format!(
+                        "id_slot {n}: the server has {} slots (0 to {}), or -1 for any idle one",
+                        info.n_parallel,
+                        info.n_parallel - 1
+                    ),
                 ))
             }
         },

@@ -15,11 +15,17 @@ use super::super::{Event, Job, JobError, Metrics, Prompt, PromptPiece};
 use super::{Active, Engine, Phase};
 
 impl Engine<'_> {
-    /// Gives queued jobs the free slots, each the slot whose cached tokens share the longest
-    /// prefix with its prompt (a conversation's next turn finds its previous one).
+    /// Gives queued jobs the free slots, in the order they came, each the slot it asked for
+    /// (`id_slot`) or the one whose cached tokens share the longest prefix with its prompt (a
+    /// conversation's next turn finds its previous one). A job for a busy slot waits for it.
     pub(super) fn assign_slots(&mut self) {
         while self.slots.iter().any(Option::is_none) {
-            let Some((pending, tx)) = self.queue.pop_front() else {
+            let startable = self.queue.iter().position(|(p, _)| {
+                p.job
+                    .id_slot
+                    .is_none_or(|s| self.slots[s as usize].is_none())
+            });
+            let Some((pending, tx)) = startable.and_then(|i| self.queue.remove(i)) else {
                 return;
             };
             self.metrics.queue_len.fetch_sub(1, Ordering::SeqCst);
@@ -30,7 +36,10 @@ impl Engine<'_> {
                     continue;
                 }
             };
-            let slot = self.pick_slot(&prompt);
+            let slot = match pending.job.id_slot {
+                Some(s) => s as usize,
+                None => self.pick_slot(&prompt),
+            };
             let h2o = self.job_h2o(&pending.job);
             if !pending.job.cache_prompt {
                 if let Err(e) = self.session.clear(slot as u32) {
