@@ -10,6 +10,7 @@ mod parallel;
 mod prefix;
 mod state;
 mod state_file;
+mod state_stream;
 
 pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;

@@ -11,7 +11,8 @@
 
 use std::path::Path;
 
-use super::state_file::{self, Integrity};
+use super::state_file::{self, Integrity, StateReader};
+use super::state_stream::{self, Scope};
 use super::Session;
 use crate::backend;
 use crate::error::{Error, Result};
@@ -50,7 +51,9 @@ struct Header {
     state_offset: usize,
 }
 
-fn parse_header(bytes: &[u8], n_ctx: u32) -> std::result::Result<Header, String> {
+/// The token count of a session state starting with `bytes`, once its magic, its version and
+/// the context's room for its tokens are checked.
+fn token_count(bytes: &[u8], n_ctx: u32) -> std::result::Result<u32, String> {
     let u32_at = |at: usize| {
         bytes
             .get(at..at + 4)
@@ -80,6 +83,11 @@ fn parse_header(bytes: &[u8], n_ctx: u32) -> std::result::Result<Header, String>
              with a larger context (-c)"
         ));
     }
+    Ok(n_tokens)
+}
+
+fn parse_header(bytes: &[u8], n_ctx: u32) -> std::result::Result<Header, String> {
+    let n_tokens = token_count(bytes, n_ctx)?;
     let state_offset = HEADER_BYTES + 4 * n_tokens as usize;
     if bytes.len() < state_offset {
         return Err(format!(
@@ -97,28 +105,38 @@ fn parse_header(bytes: &[u8], n_ctx: u32) -> std::result::Result<Header, String>
     })
 }
 
-/// A session file read whole and checked (`state_file`): nothing reaches the context before
-/// this succeeds.
+/// A session file checked whole (`state_file`) and read up to llama.cpp's state: nothing
+/// reaches the context before this succeeds.
 struct CheckedFile {
-    bytes: Vec<u8>,
-    /// where llama.cpp's state (after the session header and its tokens) starts in `bytes`
-    state_start: usize,
+    /// positioned where llama.cpp's state (after the session header and its tokens) starts
+    reader: StateReader,
     tokens: Vec<Token>,
-    integrity: Integrity,
 }
 
-fn read_checked(path: &Path, n_ctx: u32) -> std::result::Result<CheckedFile, String> {
-    let bytes = state_file::read(path)?;
-    let checked = state_file::check(&bytes)?;
-    let header = parse_header(checked.state, n_ctx)?;
-    let integrity = checked.integrity;
-    let state_start = bytes.len() - checked.state.len() + header.state_offset;
+fn open_checked(path: &Path, n_ctx: u32) -> std::result::Result<CheckedFile, String> {
+    let mut reader = state_file::open_checked(path)?;
+    let mut head = vec![0u8; HEADER_BYTES.min(reader.remaining() as usize)];
+    reader.read(&mut head).map_err(|e| e.to_string())?;
+    let n_tokens = token_count(&head, n_ctx)?;
+    let tokens_len = (4 * n_tokens as u64).min(reader.remaining());
+    head.resize(HEADER_BYTES + tokens_len as usize, 0);
+    reader
+        .read(&mut head[HEADER_BYTES..])
+        .map_err(|e| e.to_string())?;
+    let header = parse_header(&head, n_ctx)?;
     Ok(CheckedFile {
-        bytes,
-        state_start,
+        reader,
         tokens: header.tokens,
-        integrity,
     })
+}
+
+/// What follows the `read` bytes of a state of `len` that llama.cpp read.
+fn unread_tail(read: usize, len: u64) -> String {
+    format!(
+        "{} bytes follow the state llama.cpp read ({read} of {len}): a damaged state, or one \
+         saved with other settings",
+        len - read as u64
+    )
 }
 
 /// Whether a session file's own header (after the checked one) reads: for fuzzing.
@@ -135,25 +153,25 @@ impl Session<'_> {
     /// Saves the session (its tokens, KV cache and H2O state) to `path`: llama.cpp's session
     /// state behind a checked header, written atomically (a temporary file in the same
     /// directory, flushed and renamed over `path`), so that `path` holds the old state or the
-    /// new one whatever happens during the save. The state is held in memory once while it is
-    /// written. Logits are not part of a state: after a load, evaluate at least one token
-    /// before sampling.
+    /// new one whatever happens during the save. The state streams from the cache to the file
+    /// through the checksum in pieces: no copy of it is held. Logits are not part of a state:
+    /// after a load, evaluate at least one token before sampling.
     ///
     /// # Errors
     /// [`Error::StateSave`] when llama.cpp cannot serialise the state or the file cannot be
     /// written (a full disk, no permission); `path` is then unchanged.
     pub fn save_state(&mut self, path: &Path) -> Result<()> {
-        let bytes = self.state_bytes().map_err(|e| match e {
-            Error::StateSave { reason, .. } => Error::StateSave {
-                to: path.display().to_string(),
-                reason,
-            },
-            other => other,
-        })?;
-        state_file::write_atomic(path, &[&bytes]).map_err(|reason| Error::StateSave {
+        let failed = |reason: String| Error::StateSave {
             to: path.display().to_string(),
             reason,
-        })?;
+        };
+        let head = self.session_head(0).map_err(failed)?;
+        let ctx = self.ctx;
+        state_file::write_atomic_with(path, |w| {
+            w.write(&head).map_err(|e| e.to_string())?;
+            state_stream::write(ctx, Scope::Context, &mut |piece| w.write(piece)).map(|_| ())
+        })
+        .map_err(failed)?;
         Ok(())
     }
 
@@ -167,21 +185,13 @@ impl Session<'_> {
             to: "memory".into(),
             reason,
         };
-        let n_tokens =
-            u32::try_from(self.tokens.len()).map_err(|_| failed("too many tokens".into()))?;
         backend::clear_recent_log();
         // SAFETY: valid context.
         let size = unsafe { sys::llama_state_get_size(self.ctx.as_ptr()) };
         if size == 0 {
             return Err(failed(backend::recent_log_reason()));
         }
-        let mut bytes = Vec::with_capacity(HEADER_BYTES + 4 * self.tokens.len() + size);
-        bytes.extend_from_slice(&sys::LLAMA_SESSION_MAGIC.to_le_bytes());
-        bytes.extend_from_slice(&sys::LLAMA_SESSION_VERSION.to_le_bytes());
-        bytes.extend_from_slice(&n_tokens.to_le_bytes());
-        for t in &self.tokens {
-            bytes.extend_from_slice(&t.to_le_bytes());
-        }
+        let mut bytes = self.session_head(size).map_err(failed)?;
         let offset = bytes.len();
         bytes.resize(offset + size, 0);
         // SAFETY: `size` writable bytes from `offset`, as llama_state_get_size asked for.
@@ -193,6 +203,20 @@ impl Session<'_> {
         }
         bytes.truncate(offset + written);
         Ok(bytes)
+    }
+
+    /// llama.cpp's session header and the session's tokens, in a buffer with room for `more`
+    /// bytes after them.
+    fn session_head(&self, more: usize) -> std::result::Result<Vec<u8>, String> {
+        let n_tokens = u32::try_from(self.tokens.len()).map_err(|_| "too many tokens")?;
+        let mut head = Vec::with_capacity(HEADER_BYTES + 4 * self.tokens.len() + more);
+        head.extend_from_slice(&sys::LLAMA_SESSION_MAGIC.to_le_bytes());
+        head.extend_from_slice(&sys::LLAMA_SESSION_VERSION.to_le_bytes());
+        head.extend_from_slice(&n_tokens.to_le_bytes());
+        for t in &self.tokens {
+            head.extend_from_slice(&t.to_le_bytes());
+        }
+        Ok(head)
     }
 
     /// Replaces the session's content with a state saved by [`Session::save_state`] (or, as
@@ -207,13 +231,12 @@ impl Session<'_> {
     /// part-way inside llama.cpp.
     pub fn load_state(&mut self, path: &Path) -> Result<Integrity> {
         let from = path.display().to_string();
-        let file = read_checked(path, self.n_ctx).map_err(|reason| Error::StateLoad {
+        let file = open_checked(path, self.n_ctx).map_err(|reason| Error::StateLoad {
             from: from.clone(),
             reason,
             session: "the session is unchanged",
         })?;
-        self.set_state(&file.bytes[file.state_start..], file.tokens, from)?;
-        Ok(file.integrity)
+        self.set_state_from(file.reader, file.tokens, from)
     }
 
     /// [`Session::load_state`] from bytes: those of [`Session::state_bytes`], or a whole file
@@ -244,17 +267,37 @@ impl Session<'_> {
         let (outcome, loaded) = if read == 0 {
             (Err(backend::recent_log_reason()), false)
         } else if read != state.len() {
-            let reason = format!(
-                "{} bytes follow the state llama.cpp read ({read} of {}): a damaged state, or \
-                 one saved with other settings",
-                state.len() - read,
-                state.len()
-            );
-            (Err(reason), true)
+            (Err(unread_tail(read, state.len() as u64)), true)
         } else {
             (Ok(()), true)
         };
         self.finish_load(outcome, loaded, tokens, from)
+    }
+
+    /// [`Session::set_state`] streaming from a checked file: llama.cpp reads it piece by piece
+    /// into the cache, and the pieces are checked once more on the way (a file changed since it
+    /// was checked empties the session).
+    fn set_state_from(
+        &mut self,
+        mut reader: StateReader,
+        tokens: Vec<Token>,
+        from: String,
+    ) -> Result<Integrity> {
+        let integrity = reader.integrity;
+        let len = reader.remaining();
+        let read = state_stream::read(
+            self.ctx,
+            Scope::Context,
+            &mut |dst| reader.read(dst),
+            len as usize,
+        );
+        let (outcome, loaded) = match read {
+            Err(reason) => (Err(reason), false),
+            Ok(n) if (n as u64) < len => (Err(unread_tail(n, len)), true),
+            Ok(_) => (reader.finish(), true),
+        };
+        self.finish_load(outcome, loaded, tokens, from)?;
+        Ok(integrity)
     }
 
     /// Takes over the tokens of a state llama.cpp loaded, or, when it failed, says what the
@@ -334,7 +377,7 @@ impl Session<'_> {
                 "a prompt cache is loaded into an empty session: reset it first".into(),
             ));
         }
-        let file = match read_checked(path, self.n_ctx) {
+        let file = match open_checked(path, self.n_ctx) {
             Err(_) if !path.exists() => return Ok(PromptCache::Missing),
             Err(reason) => {
                 return Err(Error::StateLoad {
@@ -347,14 +390,10 @@ impl Session<'_> {
         };
         let cached = file.tokens.len();
         let common = common_prefix(&file.tokens, prompt);
-        let integrity = file.integrity;
         // loaded even when it will not be used, as llama-cli does: that checks it was made for
         // this model and these settings before the caller overwrites it
-        self.set_state(
-            &file.bytes[file.state_start..],
-            file.tokens,
-            path.display().to_string(),
-        )?;
+        let integrity =
+            self.set_state_from(file.reader, file.tokens, path.display().to_string())?;
         if cached == 0 || common < cached || cached == prompt.len() {
             self.reset();
             return Ok(PromptCache::Unused { common, cached });

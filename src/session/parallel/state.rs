@@ -10,7 +10,8 @@
 
 use std::path::Path;
 
-use super::super::state_file::{self, Integrity};
+use super::super::state_file::{self, Integrity, StateReader};
+use super::super::state_stream::{self, Scope};
 use super::{ParallelSession, SeqBook, SeqId};
 use crate::backend;
 use crate::error::{Error, Result};
@@ -47,17 +48,12 @@ impl ParallelSession<'_> {
         };
         let book = &self.seqs[seq as usize];
         backend::clear_recent_log();
+        // the state's length goes before it: llama.cpp's dry run counts it without copying
         // SAFETY: valid context; seq < n_seq_max.
         let size = unsafe { sys::llama_state_seq_get_size(self.ctx.as_ptr(), seq as i32) };
-        let mut state = vec![0u8; size];
-        // SAFETY: `size` writable bytes, as llama_state_seq_get_size asked for.
-        let written = unsafe {
-            sys::llama_state_seq_get_data(self.ctx.as_ptr(), state.as_mut_ptr(), size, seq as i32)
-        };
-        if size == 0 || written == 0 || written > size {
+        if size == 0 {
             return Err(failed(backend::recent_log_reason()));
         }
-        state.truncate(written);
         let mut head = Vec::with_capacity(8 + 12 + 4 * book.tokens.len() + 8);
         head.extend_from_slice(MAGIC);
         for v in [book.prompt_end, book.fresh_until, book.n_past()] {
@@ -66,8 +62,19 @@ impl ParallelSession<'_> {
         for t in &book.tokens {
             head.extend_from_slice(&t.to_le_bytes());
         }
-        head.extend_from_slice(&(written as u64).to_le_bytes());
-        let bytes = state_file::write_atomic(path, &[&head, &state]).map_err(failed)?;
+        head.extend_from_slice(&(size as u64).to_le_bytes());
+        let ctx = self.ctx;
+        let bytes = state_file::write_atomic_with(path, |w| {
+            w.write(&head).map_err(|e| e.to_string())?;
+            let n = state_stream::write(ctx, Scope::Seq(seq as i32), &mut |p| w.write(p))?;
+            if n != size {
+                return Err(format!(
+                    "llama.cpp gave {n} bytes of a sequence state it counted as {size}"
+                ));
+            }
+            Ok(())
+        })
+        .map_err(failed)?;
         Ok((book.tokens.len(), bytes as usize))
     }
 
@@ -90,26 +97,22 @@ impl ParallelSession<'_> {
             reason,
             session: "the sequence is unchanged",
         };
-        let bytes = state_file::read(path).map_err(&refused)?;
-        let checked = state_file::check(&bytes).map_err(&refused)?;
-        let (book, state) = parse(checked.state, self.n_ctx_seq).map_err(refused)?;
+        let mut reader = state_file::open_checked(path).map_err(&refused)?;
+        let (book, size) = read_head(&mut reader, self.n_ctx_seq).map_err(&refused)?;
+        let integrity = reader.integrity;
         self.clear(seq)?;
-        backend::clear_recent_log();
-        // SAFETY: valid context; llama.cpp reads at most `state.len()` bytes.
-        let read = unsafe {
-            sys::llama_state_seq_set_data(
-                self.ctx.as_ptr(),
-                state.as_ptr(),
-                state.len(),
-                seq as i32,
-            )
+        let read = state_stream::read(
+            self.ctx,
+            Scope::Seq(seq as i32),
+            &mut |dst| reader.read(dst),
+            size as usize,
+        );
+        let outcome = match read {
+            Ok(n) if n as u64 == size => reader.finish(),
+            Ok(n) => Err(format!("llama.cpp read {n} of its {size} bytes")),
+            Err(reason) => Err(reason),
         };
-        if read == 0 || read != state.len() {
-            let reason = if read == 0 {
-                backend::recent_log_reason()
-            } else {
-                format!("llama.cpp read {read} of its {} bytes", state.len())
-            };
+        if let Err(reason) = outcome {
             let _ = self.clear(seq);
             return Err(Error::StateLoad {
                 from,
@@ -120,35 +123,69 @@ impl ParallelSession<'_> {
         let n = book.tokens.len();
         let h2o = self.seqs[seq as usize].h2o;
         self.seqs[seq as usize] = SeqBook { h2o, ..book };
-        Ok((n, checked.integrity))
+        Ok((n, integrity))
     }
+}
+
+/// Reads a saved sequence's own header from `reader`: its book and the size of llama.cpp's
+/// state, which must be all that is left.
+fn read_head(
+    reader: &mut StateReader,
+    n_ctx_seq: u32,
+) -> std::result::Result<(SeqBook, u64), String> {
+    let mut head = vec![0u8; 20.min(reader.remaining() as usize)];
+    reader.read(&mut head).map_err(|e| e.to_string())?;
+    let n_tokens = token_count(&head, n_ctx_seq)?;
+    let rest = (4 * n_tokens as u64 + 8).min(reader.remaining());
+    head.resize(head.len() + rest as usize, 0);
+    reader.read(&mut head[20..]).map_err(|e| e.to_string())?;
+    let (book, end, size) = parse_book(&head, n_ctx_seq)?;
+    debug_assert_eq!(end, head.len());
+    if reader.remaining() != size {
+        return Err(format!(
+            "truncated: the state has fewer than its {size} bytes"
+        ));
+    }
+    Ok((book, size))
 }
 
 /// Whether a saved sequence's own header (after the checked one) reads: for fuzzing.
 pub(crate) fn parse_sequence(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<usize, String> {
-    parse(bytes, n_ctx_seq).map(|(book, state)| book.tokens.len() + state.len())
+    let (book, end, size) = parse_book(bytes, n_ctx_seq)?;
+    if (bytes.len() - end) as u64 != size {
+        return Err(format!(
+            "truncated: the state has fewer than its {size} bytes"
+        ));
+    }
+    Ok(book.tokens.len() + size as usize)
 }
 
-/// The book and the llama.cpp state of a saved sequence.
-fn parse(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<(SeqBook, &[u8]), String> {
-    let u32_at = |at: usize| {
-        bytes
-            .get(at..at + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    };
+/// The token count of a saved sequence starting with `bytes`, once its magic and the room for
+/// its tokens are checked.
+fn token_count(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<u32, String> {
     if bytes.get(..8) != Some(MAGIC.as_slice()) {
         return Err("not a sequence saved by h2o-llama (no H2OSEQ01 header)".into());
     }
-    let (Some(prompt_end), Some(fresh_until), Some(n_tokens)) = (u32_at(8), u32_at(12), u32_at(16))
-    else {
-        return Err("truncated header".into());
-    };
+    let n_tokens = bytes
+        .get(16..20)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .ok_or("truncated header")?;
     if n_tokens > n_ctx_seq {
         return Err(format!(
             "the sequence holds {n_tokens} tokens, a sequence of this session {n_ctx_seq}: start \
              it with a larger context per sequence"
         ));
     }
+    Ok(n_tokens)
+}
+
+/// The book of a saved sequence, where its header ends in `bytes` and the byte count of the
+/// llama.cpp state that follows.
+fn parse_book(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<(SeqBook, usize, u64), String> {
+    let n_tokens = token_count(bytes, n_ctx_seq)?;
+    let u32_at =
+        |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+    let (prompt_end, fresh_until) = (u32_at(8), u32_at(12));
     let tokens_end = 20 + 4 * n_tokens as usize;
     let tokens: Vec<Token> = bytes
         .get(20..tokens_end)
@@ -160,10 +197,6 @@ fn parse(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<(SeqBook, &[u8]), 
         .get(tokens_end..tokens_end + 8)
         .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
         .ok_or("truncated before the state")?;
-    let state = bytes
-        .get(tokens_end + 8..)
-        .filter(|s| s.len() as u64 == size)
-        .ok_or_else(|| format!("truncated: the state has fewer than its {size} bytes"))?;
     let book = SeqBook {
         tokens,
         prompt_end,
@@ -171,5 +204,5 @@ fn parse(bytes: &[u8], n_ctx_seq: u32) -> std::result::Result<(SeqBook, &[u8]), 
         h2o: None,
         decode_keys: Default::default(),
     };
-    Ok((book, state))
+    Ok((book, tokens_end + 8, size))
 }
