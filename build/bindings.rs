@@ -22,8 +22,13 @@ const BINDING_HEADERS: &[&str] = &[
     "ggml/include/ggml-alloc.h",
 ];
 
-/// The C entry points of common/'s JSON schema converter and chat templates (engine/common/*-c.h).
-const PATCHED_HEADERS: &[&str] = &["common/json-schema-to-grammar-c.h", "common/chat-c.h"];
+/// The H2O ops (engine/ggml/include/ggml-h2o.h, included by ggml.h) and the C entry points of
+/// common/'s JSON schema converter and chat templates (engine/common/*-c.h).
+const PATCHED_HEADERS: &[&str] = &[
+    "ggml/include/ggml-h2o.h",
+    "common/json-schema-to-grammar-c.h",
+    "common/chat-c.h",
+];
 
 fn headers(stock: bool) -> Vec<&'static str> {
     let patched: &[&str] = if stock { &[] } else { PATCHED_HEADERS };

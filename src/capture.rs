@@ -285,17 +285,17 @@ unsafe fn read_decode_node(t: &sys::ggml_tensor) -> Result<DecodeCapture, String
         n: n as u32,
         sink: match sketch[sketch.len() - 2] {
             own if own >= 0 => own as u32,
-            _ => p[0] as u32,
+            _ => i32_at(p, sys::GGML_H2O_DECODE_SINK) as u32,
         },
-        local: p[1] as u32,
+        local: i32_at(p, sys::GGML_H2O_DECODE_LOCAL) as u32,
         budget: match sketch[sketch.len() - 1] {
             own if own >= 0 => own as u32,
-            _ => p[2] as u32,
+            _ => i32_at(p, sys::GGML_H2O_DECODE_BUDGET) as u32,
         },
-        scale: f32::from_bits(p[6] as u32),
-        coverage: f32::from_bits(p[7] as u32),
+        scale: f32_at(p, sys::GGML_H2O_DECODE_SCALE),
+        coverage: f32_at(p, sys::GGML_H2O_DECODE_COVERAGE),
         keys_read,
-        softcap: f32::from_bits(p[12] as u32),
+        softcap: f32_at(p, sys::GGML_H2O_DECODE_SOFTCAP),
         sinks,
         n_head: n_head as u32,
         n_head_kv: n_head_kv as u32,
@@ -327,7 +327,7 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
         return Err(format!("layer {layer}: unexpected H2O tensor types"));
     }
     let p = &t.op_params;
-    let (p0, n_tokens) = (p[0] as usize, q.ne[2] as usize);
+    let (p0, n_tokens) = (i32_at(p, sys::GGML_H2O_ATTN_P0) as usize, q.ne[2] as usize);
     let n_pos = p0 + n_tokens;
     if n_pos as i64 > k.ne[2] {
         return Err(format!("layer {layer}: positions beyond the K view"));
@@ -349,14 +349,14 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
         layer,
         p0: p0 as u32,
         n_tokens: n_tokens as u32,
-        chunk: p[1] as u32,
-        local: p[2] as u32,
-        heavy: p[3] as u32,
-        scale: f32::from_bits(p[6] as u32),
-        select: p[7] as u32,
-        sink: p[8] as u32,
-        tail_start: p[9],
-        softcap: f32::from_bits(p[12] as u32),
+        chunk: i32_at(p, sys::GGML_H2O_ATTN_CHUNK) as u32,
+        local: i32_at(p, sys::GGML_H2O_ATTN_LOCAL) as u32,
+        heavy: i32_at(p, sys::GGML_H2O_ATTN_HEAVY) as u32,
+        scale: f32_at(p, sys::GGML_H2O_ATTN_SCALE),
+        select: i32_at(p, sys::GGML_H2O_ATTN_SELECT) as u32,
+        sink: i32_at(p, sys::GGML_H2O_ATTN_SINK) as u32,
+        tail_start: i32_at(p, sys::GGML_H2O_ATTN_TAIL_START),
+        softcap: f32_at(p, sys::GGML_H2O_ATTN_SOFTCAP),
         sinks,
         n_head: n_head as u32,
         n_head_kv: n_head_kv as u32,
@@ -367,6 +367,18 @@ unsafe fn read_h2o_node(t: &sys::ggml_tensor) -> Result<AttentionCapture, String
         v: vv,
         output: out,
     })
+}
+
+/// An H2O op's integer parameter in `slot` (`ggml_h2o_attn_param`, `ggml_h2o_decode_param`).
+#[cfg(not(feature = "stock"))]
+fn i32_at(op_params: &[i32], slot: u32) -> i32 {
+    op_params[slot as usize]
+}
+
+/// An H2O op's float parameter in `slot`, as ggml stores it (the bits in an i32 slot).
+#[cfg(not(feature = "stock"))]
+fn f32_at(op_params: &[i32], slot: u32) -> f32 {
+    f32::from_bits(op_params[slot as usize] as u32)
 }
 
 /// The learned attention sink of every query head an H2O op ran with (empty: none).

@@ -1,6 +1,6 @@
 // GGML_OP_H2O_ATTN on the CPU: the chunked sparse prefill attention of one layer, the memory
 // selection policies that give a chunk one memory set (the seed rule, query-aware blocks, the
-// hybrid) and the scores it keeps (see ggml_h2o_attn in ggml.h). Coverage selection, which gives
+// hybrid) and the scores it keeps (see ggml_h2o_attn in ggml-h2o.h). Coverage selection, which gives
 // each tile of the chunk its own, is in h2o-coverage.cpp; the tiled attention both run, in h2o-tile.h.
 
 #include "ops.h"
@@ -226,16 +226,16 @@ void ggml_compute_forward_h2o_attn(
           ggml_tensor * mem_idx = dst->src[4];
           ggml_tensor * acc     = dst->src[5];
 
-    const int32_t p0         = ggml_get_op_params_i32(dst, 0);
-    const int32_t S          = ggml_get_op_params_i32(dst, 1);
-    const int32_t L          = ggml_get_op_params_i32(dst, 2);
-    const int32_t H          = ggml_get_op_params_i32(dst, 3);
-    const int32_t mem_chunk0 = ggml_get_op_params_i32(dst, 4);
-    const int32_t acc_chunk0 = ggml_get_op_params_i32(dst, 5);
-    const float   scale      = ggml_get_op_params_f32(dst, 6);
-    const int32_t select     = ggml_get_op_params_i32(dst, 7);
-    const int32_t n_sink     = ggml_get_op_params_i32(dst, 8);
-    const int32_t tail_start = ggml_get_op_params_i32(dst, 9);
+    const int32_t p0         = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_P0);
+    const int32_t S          = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_CHUNK);
+    const int32_t L          = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_LOCAL);
+    const int32_t H          = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_HEAVY);
+    const int32_t mem_chunk0 = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_MEM_CHUNK);
+    const int32_t acc_chunk0 = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_ACC_CHUNK);
+    const float   scale      = ggml_get_op_params_f32(dst, GGML_H2O_ATTN_SCALE);
+    const int32_t select     = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SELECT);
+    const int32_t n_sink     = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SINK);
+    const int32_t tail_start = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_TAIL_START);
 
     if (select == GGML_H2O_SELECT_COVERAGE) {
         ggml_compute_forward_h2o_attn_coverage(params, dst);

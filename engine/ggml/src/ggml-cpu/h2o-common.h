@@ -67,11 +67,14 @@ struct h2o_head_logits {
     float sink;
 };
 
+static_assert(GGML_H2O_ATTN_SCALE == GGML_H2O_DECODE_SCALE && GGML_H2O_ATTN_SOFTCAP == GGML_H2O_DECODE_SOFTCAP,
+              "h2o_logits_of reads either op's scale and soft-cap from the same slots");
+
 static h2o_head_logits h2o_logits_of(const ggml_tensor * dst, int64_t ih) {
     const ggml_tensor * sinks = dst->src[6];
     return {
-        ggml_get_op_params_f32(dst, 6),
-        ggml_get_op_params_f32(dst, 12),
+        ggml_get_op_params_f32(dst, GGML_H2O_ATTN_SCALE),
+        ggml_get_op_params_f32(dst, GGML_H2O_ATTN_SOFTCAP),
         sinks ? ((const float *) sinks->data)[ih] : -INFINITY,
     };
 }

@@ -1,5 +1,5 @@
 // GGML_OP_H2O_ATTN on the CPU with coverage selection: each tile of a chunk's queries gets a memory of its own,
-// sized by how much of the tile's attention an estimate says it covers (see ggml_h2o_attn_set_coverage in ggml.h).
+// sized by how much of the tile's attention an estimate says it covers (see ggml_h2o_attn_set_coverage in ggml-h2o.h).
 
 #include "ops.h"
 
@@ -546,13 +546,13 @@ static size_t h2o_coverage_layout(h2o_coverage_shared * sets, void * wdata, int6
 }
 
 size_t ggml_h2o_attn_coverage_work_size(const ggml_tensor * dst) {
-    if (ggml_get_op_params_i32(dst, 7) != GGML_H2O_SELECT_COVERAGE) {
+    if (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SELECT) != GGML_H2O_SELECT_COVERAGE) {
         return 0;
     }
-    const int64_t S       = ggml_get_op_params_i32(dst, 1);
-    const int64_t L       = ggml_get_op_params_i32(dst, 2);
-    const int64_t H       = ggml_get_op_params_i32(dst, 3);
-    const int64_t n_sink  = ggml_get_op_params_i32(dst, 8);
+    const int64_t S       = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_CHUNK);
+    const int64_t L       = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_LOCAL);
+    const int64_t H       = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_HEAVY);
+    const int64_t n_sink  = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SINK);
     const int64_t n_head  = dst->src[0]->ne[1];
     const int64_t stride  = (GGML_H2O_MAX_HEAVY_FACTOR*H + GGML_H2O_BUDGET_STEP - 1)/GGML_H2O_BUDGET_STEP + 1;
     const int64_t n_tiles = (S + H2O_QT - 1)/H2O_QT;
@@ -675,11 +675,17 @@ struct h2o_coverage_call {
     h2o_coverage_call(const ggml_compute_params * params, ggml_tensor * dst) :
         params(params), dst(dst),
         q(dst->src[0]), k(dst->src[1]), v(dst->src[2]), scores(dst->src[3]), mem_idx(dst->src[4]), acc(dst->src[5]),
-        p0(ggml_get_op_params_i32(dst, 0)), S(ggml_get_op_params_i32(dst, 1)), L(ggml_get_op_params_i32(dst, 2)),
-        H(ggml_get_op_params_i32(dst, 3)), mem_chunk0(ggml_get_op_params_i32(dst, 4)),
-        acc_chunk0(ggml_get_op_params_i32(dst, 5)), n_sink(ggml_get_op_params_i32(dst, 8)),
-        tail_start(ggml_get_op_params_i32(dst, 9)), coverage(ggml_get_op_params_f32(dst, 10)),
-        every(H2O_QT/ggml_get_op_params_i32(dst, 11)), sketch(ggml_get_op_params_i32(dst, 13)),
+        p0        (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_P0)),
+        S         (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_CHUNK)),
+        L         (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_LOCAL)),
+        H         (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_HEAVY)),
+        mem_chunk0(ggml_get_op_params_i32(dst, GGML_H2O_ATTN_MEM_CHUNK)),
+        acc_chunk0(ggml_get_op_params_i32(dst, GGML_H2O_ATTN_ACC_CHUNK)),
+        n_sink    (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SINK)),
+        tail_start(ggml_get_op_params_i32(dst, GGML_H2O_ATTN_TAIL_START)),
+        coverage  (ggml_get_op_params_f32(dst, GGML_H2O_ATTN_COVERAGE)),
+        every     (H2O_QT/ggml_get_op_params_i32(dst, GGML_H2O_ATTN_N_SAMPLE)),
+        sketch    (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SKETCH)),
         D(q->ne[0]), Dv(v->ne[0]), n_head(q->ne[1]), n_tokens(q->ne[2]), n_head_kv(k->ne[1]),
         n_gqa(n_head/n_head_kv), kv_size(scores->ne[0]), M(L + H), p1(p0 + (int32_t) n_tokens),
         n_steps_max((GGML_H2O_MAX_HEAVY_FACTOR*H + GGML_H2O_BUDGET_STEP - 1)/GGML_H2O_BUDGET_STEP),

@@ -1,5 +1,5 @@
 // GGML_OP_H2O_DECODE on the CPU: a decode step's exact softmax over its sinks, its window and
-// the positions its 8-bit key sketches estimate it attends to most (see ggml_h2o_decode in ggml.h).
+// the positions its 8-bit key sketches estimate it attends to most (see ggml_h2o_decode in ggml-h2o.h).
 
 #include "ops.h"
 
@@ -748,8 +748,10 @@ struct h2o_decode_step {
     h2o_decode_step(const ggml_compute_params * params, ggml_tensor * dst) :
         params(params), dst(dst),
         q(dst->src[0]), k(dst->src[1]), v(dst->src[2]), summ(dst->src[3]), summ_n(dst->src[4]), mask(dst->src[5]),
-        n_sink(ggml_get_op_params_i32(dst, 0)), n_local(ggml_get_op_params_i32(dst, 1)),
-        n_budget(ggml_get_op_params_i32(dst, 2)), coverage(ggml_get_op_params_f32(dst, 7)),
+        n_sink  (ggml_get_op_params_i32(dst, GGML_H2O_DECODE_SINK)),
+        n_local (ggml_get_op_params_i32(dst, GGML_H2O_DECODE_LOCAL)),
+        n_budget(ggml_get_op_params_i32(dst, GGML_H2O_DECODE_BUDGET)),
+        coverage(ggml_get_op_params_f32(dst, GGML_H2O_DECODE_COVERAGE)),
         B(GGML_H2O_DECODE_BLOCK), D(q->ne[0]), R(D/4), Dv(v->ne[0]), n_head(q->ne[1]), n_tokens(q->ne[2]),
         n_stream(q->ne[3]), n_head_kv(k->ne[1]), n_gqa(n_head/n_head_kv), n_groups(n_stream*n_tokens*n_head_kv),
         kt(k->type), vt(v->type),

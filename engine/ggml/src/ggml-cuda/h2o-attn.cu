@@ -22,9 +22,9 @@ bool ggml_cuda_h2o_attn_supported(int device, const ggml_tensor * dst) {
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
-    if (ggml_get_op_params_i32(dst, 7) == GGML_H2O_SELECT_COVERAGE &&
+    if (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SELECT) == GGML_H2O_SELECT_COVERAGE &&
         (q->ne[0] > H2O_SELECT_MAX_D || v->ne[0] > H2O_SELECT_MAX_D || q->ne[0] % 4 != 0 ||
-         (int64_t) H2O_COV_FACTOR*ggml_get_op_params_i32(dst, 3) > H2O_COV_MAX_RANK)) {
+         (int64_t) H2O_COV_FACTOR*ggml_get_op_params_i32(dst, GGML_H2O_ATTN_HEAVY) > H2O_COV_MAX_RANK)) {
         return false;
     }
     // K and V of another type than F16 are converted to F16 first (h2o_cuda_to_f16)
@@ -66,7 +66,7 @@ void ggml_cuda_op_h2o_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
     h2o_cuda_args a {};
     // every position this call reads, as F16
-    const int64_t n_pos = ggml_get_op_params_i32(dst, 0) + q->ne[2];
+    const int64_t n_pos = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_P0) + q->ne[2];
     ggml_cuda_pool_alloc<half> k_f16(ctx.pool());
     ggml_cuda_pool_alloc<half> v_f16(ctx.pool());
 
@@ -91,21 +91,21 @@ void ggml_cuda_op_h2o_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.n_tokens  = (int) q->ne[2];
     a.kv_size   = (int) scores->ne[0];
 
-    a.p0        = ggml_get_op_params_i32(dst, 0);
-    a.S         = ggml_get_op_params_i32(dst, 1);
-    a.L         = ggml_get_op_params_i32(dst, 2);
-    a.H         = ggml_get_op_params_i32(dst, 3);
-    a.mem_chunk = ggml_get_op_params_i32(dst, 4);
-    a.acc_chunk = ggml_get_op_params_i32(dst, 5);
-    a.scale     = ggml_get_op_params_f32(dst, 6);
+    a.p0        = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_P0);
+    a.S         = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_CHUNK);
+    a.L         = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_LOCAL);
+    a.H         = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_HEAVY);
+    a.mem_chunk = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_MEM_CHUNK);
+    a.acc_chunk = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_ACC_CHUNK);
+    a.scale     = ggml_get_op_params_f32(dst, GGML_H2O_ATTN_SCALE);
 
-    a.select     = ggml_get_op_params_i32(dst, 7);
-    a.n_sink     = ggml_get_op_params_i32(dst, 8);
-    a.tail_start = ggml_get_op_params_i32(dst, 9);
-    a.coverage   = ggml_get_op_params_f32(dst, 10);
-    a.n_sample   = ggml_get_op_params_i32(dst, 11);
-    a.sketch     = ggml_get_op_params_i32(dst, 13);
-    a.softcap    = ggml_get_op_params_f32(dst, 12);
+    a.select     = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SELECT);
+    a.n_sink     = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SINK);
+    a.tail_start = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_TAIL_START);
+    a.coverage   = ggml_get_op_params_f32(dst, GGML_H2O_ATTN_COVERAGE);
+    a.n_sample   = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_N_SAMPLE);
+    a.sketch     = ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SKETCH);
+    a.softcap    = ggml_get_op_params_f32(dst, GGML_H2O_ATTN_SOFTCAP);
     a.sinks      = dst->src[6] != nullptr ? (const float *) dst->src[6]->data : nullptr;
 
     a.smem_per_block = ggml_cuda_info().devices[ggml_cuda_get_device()].smpbo;

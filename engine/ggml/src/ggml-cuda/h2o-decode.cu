@@ -919,12 +919,12 @@ void ggml_cuda_op_h2o_decode(ggml_backend_cuda_context & ctx, ggml_tensor * dst)
     a.n_summ_blocks = (int) summ->ne[2];
     a.n_summ_n      = (int) summ_n->ne[0];
 
-    a.n_sink   = ggml_get_op_params_i32(dst, 0);
-    a.n_local  = ggml_get_op_params_i32(dst, 1);
-    a.n_budget = ggml_get_op_params_i32(dst, 2);
-    a.scale    = ggml_get_op_params_f32(dst, 6);
-    a.softcap  = ggml_get_op_params_f32(dst, 12);
-    a.coverage = ggml_get_op_params_f32(dst, 7);
+    a.n_sink   = ggml_get_op_params_i32(dst, GGML_H2O_DECODE_SINK);
+    a.n_local  = ggml_get_op_params_i32(dst, GGML_H2O_DECODE_LOCAL);
+    a.n_budget = ggml_get_op_params_i32(dst, GGML_H2O_DECODE_BUDGET);
+    a.scale    = ggml_get_op_params_f32(dst, GGML_H2O_DECODE_SCALE);
+    a.softcap  = ggml_get_op_params_f32(dst, GGML_H2O_DECODE_SOFTCAP);
+    a.coverage = ggml_get_op_params_f32(dst, GGML_H2O_DECODE_COVERAGE);
 
     const int n_groups = a.n_stream*a.n_tokens*a.n_head_kv;
     a.n_units = (a.n_kv + H2O_DEC_EST_THREADS - 1)/H2O_DEC_EST_THREADS;
