@@ -29,6 +29,9 @@ enum Sources {
     AllCpp,
     /// Every `.cpp` file of the directory, sorted, compiled in unity batches of this size.
     Unity(usize),
+    /// Every `.cpp` file that `engine/` adds to the directory, sorted by name: an engine file
+    /// is compiled by being there, with no list to keep.
+    Engine,
 }
 
 /// One row of `UNITS`.
@@ -139,14 +142,14 @@ const UNITS: &[Group] = &[
     Group {
         dir: "ggml/src",
         arch: &[],
-        sources: Sources::Listed(&["ggml-h2o.cpp"]),
+        sources: Sources::Engine,
         headers: "ggml",
         patched_only: true,
     },
     Group {
         dir: "ggml/src/ggml-cpu",
         arch: &[],
-        sources: Sources::Listed(&["h2o-attn.cpp", "h2o-coverage.cpp", "h2o-decode.cpp"]),
+        sources: Sources::Engine,
         headers: "ggml",
         patched_only: true,
     },
@@ -226,6 +229,14 @@ pub fn units(tree: &Path, out_dir: &Path, target_arch: &str) -> Vec<Unit> {
                 );
             }
             Sources::Unity(batch) => units.extend(unity_units(&dir, batch, g.headers, out_dir)),
+            Sources::Engine => {
+                let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+                let engine_dir = manifest_dir.join("engine").join(g.dir);
+                units.extend(sorted_files(&engine_dir, "cpp").into_iter().map(|f| {
+                    let name = f.file_name().expect("a file");
+                    unit(dir.join(name), g.headers)
+                }));
+            }
         }
     }
     units
