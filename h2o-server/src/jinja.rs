@@ -7,34 +7,13 @@
 //! declare tools (the others keep llama.cpp's built-in templates); with `--no-jinja`, none, and
 //! tools are refused.
 
-use std::sync::Arc;
-
-use h2o_llama::{ChatPrompt, ChatTemplates, ReplyParser};
+use h2o_llama::{ChatMessage, ChatPrompt, ReplyParser};
 use serde_json::{json, Map, Value};
 
-use crate::engine::Sampling;
+use crate::engine::{JobError, Sampling};
 use crate::error::{library_reason, ApiError};
 
-/// `--jinja`, `--no-jinja`, or neither.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JinjaMode {
-    /// `--no-jinja`: built-in templates only; tools are refused.
-    Off,
-    /// The default: Jinja for requests with tools, built-in templates for the others.
-    Tools,
-    /// `--jinja`: Jinja for every chat request.
-    All,
-}
-
-/// The server's Jinja templates, or why it has none.
-#[derive(Debug, Clone)]
-pub struct Jinja {
-    pub mode: JinjaMode,
-    pub templates: Result<Arc<ChatTemplates>, String>,
-    /// `--reasoning-format`: what a request that leaves `reasoning_format` out gets (None:
-    /// common/'s default).
-    pub reasoning_format: Option<String>,
-}
+pub use crate::engine::{Jinja, JinjaMode};
 
 /// The chat fields a Jinja render reads (the rest of the request is the job's).
 pub struct ChatFields<'a> {
@@ -206,6 +185,33 @@ impl Rendered {
         }
         Ok(())
     }
+}
+
+/// `POST /apply-template` under `--jinja`: `messages` rendered by the Jinja template with the
+/// assistant's turn opened; `None` in the other modes, which render it with llama.cpp's
+/// built-in template.
+pub fn apply_template(jinja: &Jinja, messages: &[ChatMessage]) -> Option<Result<String, JobError>> {
+    if jinja.mode != JinjaMode::All {
+        return None;
+    }
+    let messages = match serde_json::to_value(messages) {
+        Ok(m) => m,
+        Err(e) => return Some(Err(JobError::Template(e.to_string()))),
+    };
+    let fields = ChatFields {
+        messages: &messages,
+        tools: &Value::Null,
+        tool_choice: &Value::Null,
+        parallel_tool_calls: None,
+        chat_template_kwargs: &Value::Null,
+        reasoning_format: None,
+    };
+    Some(
+        jinja
+            .render(&fields)
+            .map(|r| r.prompt)
+            .map_err(|e| JobError::Template(e.message)),
+    )
 }
 
 /// The function `{"type": "function", "function": {"name": …}}` names.

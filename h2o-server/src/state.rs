@@ -31,8 +31,12 @@ pub trait Engine: Send + Sync + 'static {
     fn slots(&self) -> Vec<SlotView>;
     /// As [`EngineHandle::slot_op`].
     fn slot_op(&self, id: u32, op: SlotOp) -> SlotOpFuture<'_>;
+    /// The model's chat template applied to `messages`, with the assistant's turn opened
+    /// (`POST /apply-template`): the Jinja template under `--jinja`, else llama.cpp's built-in
+    /// one, as chat requests without tools are rendered.
+    ///
     /// # Errors
-    /// As [`EngineHandle::apply_template`].
+    /// The template is not one llama.cpp knows, or a message has a NUL byte.
     fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError>;
     /// # Errors
     /// As [`EngineHandle::tokenize`].
@@ -76,7 +80,8 @@ impl Engine for EngineHandle {
     }
 
     fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
-        EngineHandle::apply_template(self, messages)
+        crate::jinja::apply_template(self.jinja(), messages)
+            .unwrap_or_else(|| self.render_builtin(messages))
     }
 
     fn tokenize(

@@ -42,7 +42,7 @@ pub struct EngineConfig {
     /// in place of the model's own.
     pub chat_template: Option<String>,
     /// `--jinja`, `--no-jinja` or neither.
-    pub jinja: crate::jinja::JinjaMode,
+    pub jinja: JinjaMode,
     /// `--context-shift`: a generation that fills its slot drops half of what follows the kept
     /// tokens and goes on (full attention only).
     pub context_shift: bool,
@@ -478,7 +478,7 @@ pub struct EngineHandle {
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) slots: Arc<std::sync::Mutex<Vec<SlotView>>>,
     pub(crate) chat_template: Option<String>,
-    pub(crate) jinja: crate::jinja::Jinja,
+    pub(crate) jinja: Jinja,
     pub(crate) queue_capacity: usize,
     pub(crate) thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
@@ -505,34 +505,16 @@ impl EngineHandle {
 
     /// The server's Jinja chat templates (`--jinja`, `--no-jinja`).
     #[must_use]
-    pub fn jinja(&self) -> &crate::jinja::Jinja {
+    pub fn jinja(&self) -> &Jinja {
         &self.jinja
     }
 
-    /// The model's chat template applied to `messages`, with the assistant's turn opened
-    /// (`POST /apply-template`): the Jinja template under `--jinja`, else llama.cpp's built-in
-    /// one, as chat requests without tools are rendered.
+    /// llama.cpp's built-in chat template (or `--chat-template`'s) applied to `messages`, with
+    /// the assistant's turn opened.
     ///
     /// # Errors
     /// The template is not one llama.cpp knows, or a message has a NUL byte.
-    pub fn apply_template(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
-        if self.jinja.mode == crate::jinja::JinjaMode::All {
-            let messages =
-                serde_json::to_value(messages).map_err(|e| JobError::Template(e.to_string()))?;
-            let fields = crate::jinja::ChatFields {
-                messages: &messages,
-                tools: &serde_json::Value::Null,
-                tool_choice: &serde_json::Value::Null,
-                parallel_tool_calls: None,
-                chat_template_kwargs: &serde_json::Value::Null,
-                reasoning_format: None,
-            };
-            return self
-                .jinja
-                .render(&fields)
-                .map(|r| r.prompt)
-                .map_err(|e| JobError::Template(e.message));
-        }
+    pub fn render_builtin(&self, messages: &[ChatMessage]) -> Result<String, JobError> {
         worker::render_chat(&self.model, self.chat_template.as_deref(), messages)
     }
 
@@ -599,5 +581,7 @@ impl EngineHandle {
 }
 
 pub mod infill;
+mod templates;
 mod worker;
+pub use templates::{Jinja, JinjaMode};
 pub use worker::start;

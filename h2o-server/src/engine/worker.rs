@@ -17,11 +17,10 @@ use h2o_llama::{
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::library_reason;
-use crate::jinja::{Jinja, JinjaMode};
 
 use super::{
-    EngineConfig, EngineHandle, EngineInfo, Event, Job, JobError, Metrics, NextTokenView,
-    SlotH2oView, SlotOp, SlotOpDone, SlotOpError, SlotView, SubmitError,
+    EngineConfig, EngineHandle, EngineInfo, Event, Jinja, JinjaMode, Job, JobError, Metrics,
+    NextTokenView, SlotH2oView, SlotOp, SlotOpDone, SlotOpError, SlotView, SubmitError,
 };
 
 mod admit;
