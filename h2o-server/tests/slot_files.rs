@@ -2,7 +2,8 @@
 //! guarantees of the library's state files, seen through HTTP: a damaged or cut file is refused
 //! with 400 naming it and the slot keeps what it held; a server killed (SIGKILL) while it saves
 //! leaves the old file or the new one, each restoring; a save that runs out of room fails with a
-//! message and leaves the old file as it was.
+//! message and leaves the old file as it was; a conversation saved by one server and restored by
+//! another sharing the directory (replicas) continues there exactly as on the first.
 
 mod common;
 
@@ -181,5 +182,54 @@ fn a_slot_save_that_runs_out_of_room_fails_and_leaves_the_old_file() {
     let (status, v) = action(&server, 1, "restore", "slot.bin");
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["verified"], true, "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two replicas sharing a slot-save directory (as behind a load balancer): a conversation served
+/// by one, saved there and restored by the other continues on the second exactly as on the
+/// first (the same text and the same probabilities), reusing the handed-over prefix.
+#[test]
+fn a_conversation_saved_on_one_replica_continues_on_another() {
+    let _engine = common::one_engine_at_a_time();
+    let dir = slot_dir("replicas");
+    let args = [SHAPE, &["--slot-save-path", dir.to_str().unwrap()]].concat();
+    let first = Server::start(&args);
+    let second = Server::start(&args);
+    let turn1 = long_text(400);
+    let (status, v) = post(
+        &first,
+        "/completion",
+        &json!({"prompt": turn1, "n_predict": 12, "temperature": 0, "id_slot": 0,
+                "cache_prompt": true}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let answer = v["content"].as_str().unwrap().to_string();
+    let (status, saved) = action(&first, 0, "save", "conversation.bin");
+    assert_eq!(status, 200, "{saved}");
+    let (status, restored) = action(&second, 3, "restore", "conversation.bin");
+    assert_eq!(status, 200, "{restored}");
+    assert_eq!(restored["verified"], true, "{restored}");
+    assert_eq!(restored["n_restored"], saved["n_saved"]);
+
+    let turn2 = json!({
+        "prompt": format!("{turn1}{answer} Then the harbour master"),
+        "n_predict": 16, "temperature": 0, "n_probs": 3, "cache_prompt": true,
+    });
+    let on = |server: &Server, slot: u64| {
+        let mut body = turn2.clone();
+        body["id_slot"] = json!(slot);
+        let (status, v) = post(server, "/completion", &body);
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let (a, b) = (on(&first, 0), on(&second, 3));
+    assert_eq!(b["content"], a["content"]);
+    assert_eq!(b["completion_probabilities"], a["completion_probabilities"]);
+    let cached = b["tokens_cached"].as_u64().unwrap();
+    assert_eq!(cached, a["tokens_cached"].as_u64().unwrap());
+    assert!(
+        cached >= saved["n_saved"].as_u64().unwrap() / 2,
+        "the second replica evaluated the handed-over conversation again: {b}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
