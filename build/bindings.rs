@@ -22,10 +22,12 @@ const BINDING_HEADERS: &[&str] = &[
     "ggml/include/ggml-alloc.h",
 ];
 
-/// The H2O ops (engine/ggml/include/ggml-h2o.h, included by ggml.h) and the C entry points of
-/// common/'s JSON schema converter and chat templates (engine/common/*-c.h).
+/// The H2O ops (engine/ggml/include/ggml-h2o.h, included by ggml.h), H2O's part of llama's C API
+/// (engine/include/llama-h2o.h, included by llama.h) and the C entry points of common/'s JSON
+/// schema converter and chat templates (engine/common/*-c.h).
 const PATCHED_HEADERS: &[&str] = &[
     "ggml/include/ggml-h2o.h",
+    "include/llama-h2o.h",
     "common/json-schema-to-grammar-c.h",
     "common/chat-c.h",
 ];
