@@ -22,6 +22,17 @@ pub(crate) enum Scope {
     Seq(i32),
 }
 
+impl Scope {
+    /// The sequence id of llama.cpp's stream calls: -1 for the whole context.
+    #[cfg(not(feature = "stock"))]
+    fn seq_id(self) -> i32 {
+        match self {
+            Scope::Context => -1,
+            Scope::Seq(s) => s,
+        }
+    }
+}
+
 /// A callback's failure, kept until llama.cpp returns: an I/O error, or a panic to resume.
 enum Failure {
     Io(io::Error),
@@ -108,15 +119,11 @@ pub(crate) fn write(
     };
     #[cfg(not(feature = "stock"))]
     let n = {
-        let seq = match scope {
-            Scope::Context => -1,
-            Scope::Seq(s) => s,
-        };
         // SAFETY: valid context; `cb` outlives the call and is only used through `write_piece`.
         unsafe {
             sys::llama_state_write_stream(
                 ctx.as_ptr(),
-                seq,
+                scope.seq_id(),
                 Some(write_piece),
                 &mut cb as *mut Callback<'_, Sink<'_>> as *mut std::ffi::c_void,
             )
@@ -150,15 +157,11 @@ pub(crate) fn read(
     };
     #[cfg(not(feature = "stock"))]
     let n = {
-        let seq = match scope {
-            Scope::Context => -1,
-            Scope::Seq(s) => s,
-        };
         // SAFETY: valid context; `cb` outlives the call and is only used through `read_piece`.
         unsafe {
             sys::llama_state_read_stream(
                 ctx.as_ptr(),
-                seq,
+                scope.seq_id(),
                 Some(read_piece),
                 &mut cb as *mut Callback<'_, Source<'_>> as *mut std::ffi::c_void,
             )
