@@ -12,7 +12,7 @@ static const llama_kv_cache * llama_h2o_cache(const llama_context * ctx) {
     }
 
     const auto * kv = llama_h2o_kv(ctx->get_memory());
-    if (!kv || !kv->h2o_enabled()) {
+    if (!kv || !kv->h2o().enabled()) {
         return nullptr;
     }
 
@@ -33,34 +33,34 @@ int32_t llama_h2o_get_seq_info(const llama_context * ctx, llama_seq_id seq_id, l
         return LLAMA_H2O_STATUS_INVALID_SEQ;
     }
 
-    const uint32_t s = kv->h2o_stream(seq_id);
+    const uint32_t s = kv->h2o().stream(seq_id);
 
     const auto layer_ids = kv->get_layer_ids();
-    const auto & state   = kv->h2o_get_chunk_state(s);
+    const auto & state   = kv->h2o().get_chunk_state(s);
 
-    info->n_local            = kv->h2o_n_local();
-    info->n_heavy            = kv->h2o_n_heavy();
-    info->n_memory           = kv->h2o_n_memory();
+    info->n_local            = kv->h2o().n_local();
+    info->n_heavy            = kv->h2o().n_heavy();
+    info->n_memory           = kv->h2o().n_memory();
     info->n_chunk            = ctx->n_ubatch();
-    info->select             = kv->h2o_get_select(s);
-    info->n_sink             = kv->h2o_n_sink(s);
-    info->n_dense_tail       = kv->h2o_n_dense_tail(s);
+    info->select             = kv->h2o().get_select(s);
+    info->n_sink             = kv->h2o().n_sink(s);
+    info->n_dense_tail       = kv->h2o().n_dense_tail(s);
     info->n_layer            = layer_ids.size();
-    info->n_head             = layer_ids.empty() ? 0 : kv->h2o_get_scores(layer_ids[0])->ne[1];
+    info->n_head             = layer_ids.empty() ? 0 : kv->h2o().get_scores(layer_ids[0])->ne[1];
     info->kv_size            = kv->get_size();
     info->n_chunks_done      = state.current_chunk_idx;
     info->n_tokens_done      = state.total_tokens_processed;
     info->n_sparse_chunks    = state.n_sparse_chunks;
     info->n_tail_tokens      = state.n_tail_tokens;
-    info->memory_initialized = kv->h2o_is_memory_initialized(s);
-    info->size_bytes         = kv->h2o_size_bytes();
+    info->memory_initialized = kv->h2o().is_memory_initialized(s);
+    info->size_bytes         = kv->h2o().size_bytes();
 
     return LLAMA_H2O_STATUS_OK;
 }
 
 int32_t llama_h2o_set_seq_select(llama_context * ctx, llama_seq_id seq_id, enum llama_h2o_select select, int32_t n_sink, int32_t n_dense_tail) {
     auto * kv = ctx ? llama_h2o_kv(ctx->get_memory()) : nullptr;
-    if (!kv || !kv->h2o_enabled()) {
+    if (!kv || !kv->h2o().enabled()) {
         return LLAMA_H2O_STATUS_DISABLED;
     }
 
@@ -69,25 +69,25 @@ int32_t llama_h2o_set_seq_select(llama_context * ctx, llama_seq_id seq_id, enum 
     }
 
     if (select < LLAMA_H2O_SELECT_H2O || select > LLAMA_H2O_SELECT_COVERAGE ||
-        n_sink < 0 || (uint32_t) n_sink > kv->h2o_n_heavy() || n_dense_tail < 0 || (uint32_t) n_dense_tail > kv->get_size()) {
+        n_sink < 0 || (uint32_t) n_sink > kv->h2o().n_heavy() || n_dense_tail < 0 || (uint32_t) n_dense_tail > kv->get_size()) {
         return LLAMA_H2O_STATUS_INVALID_SELECT;
     }
 
     // the scores and memory sets of a sequence follow one policy from its first chunk on
-    if (kv->h2o_get_chunk_state(kv->h2o_stream(seq_id)).prompt_end > 0) {
+    if (kv->h2o().get_chunk_state(kv->h2o().stream(seq_id)).prompt_end > 0) {
         return LLAMA_H2O_STATUS_SEQ_NOT_EMPTY;
     }
 
     // the sink also goes to the sketch state of sparse decode (see llama_h2o_set_seq_decode)
     ctx->synchronize();
-    kv->h2o_set_select_seq(seq_id, select, n_sink, n_dense_tail);
+    kv->h2o().set_select_seq(seq_id, select, n_sink, n_dense_tail);
 
     return LLAMA_H2O_STATUS_OK;
 }
 
 int32_t llama_h2o_set_seq_decode(llama_context * ctx, llama_seq_id seq_id, int32_t n_budget) {
     auto * kv = ctx ? llama_h2o_kv(ctx->get_memory()) : nullptr;
-    if (!kv || !kv->h2o_enabled() || kv->h2o_decode_budget() == 0) {
+    if (!kv || !kv->h2o().enabled() || kv->h2o().decode_budget() == 0) {
         return LLAMA_H2O_STATUS_DISABLED;
     }
 
@@ -101,20 +101,20 @@ int32_t llama_h2o_set_seq_decode(llama_context * ctx, llama_seq_id seq_id, int32
 
     // the budget goes to the sketch state, where the backend may still be reading it for a step in flight
     ctx->synchronize();
-    kv->h2o_set_decode_budget_seq(seq_id, n_budget);
+    kv->h2o().set_decode_budget_seq(seq_id, n_budget);
 
     return LLAMA_H2O_STATUS_OK;
 }
 
 float llama_h2o_decode_keys(llama_context * ctx, llama_seq_id seq_id) {
     auto * kv = ctx ? llama_h2o_kv(ctx->get_memory()) : nullptr;
-    if (!kv || !kv->h2o_enabled() || kv->h2o_decode_budget() == 0 || seq_id < 0 ||
+    if (!kv || !kv->h2o().enabled() || kv->h2o().decode_budget() == 0 || seq_id < 0 ||
             (uint32_t) seq_id >= kv->get_n_seq_max() || !ctx->h2o_last_decode_sparse()) {
         return -1.0f;
     }
 
     ctx->synchronize();
-    return kv->h2o_decode_keys_read(kv->h2o_stream(seq_id));
+    return kv->h2o().decode_keys_read(kv->h2o().stream(seq_id));
 }
 
 int32_t llama_h2o_get_layers(const llama_context * ctx, int32_t * dst, size_t n_dst) {
@@ -143,7 +143,7 @@ static int32_t llama_h2o_check_head(const llama_kv_cache * kv, int32_t il, int32
         return LLAMA_H2O_STATUS_INVALID_LAYER;
     }
 
-    if (ih < 0 || ih >= kv->h2o_get_scores(il)->ne[1]) {
+    if (ih < 0 || ih >= kv->h2o().get_scores(il)->ne[1]) {
         return LLAMA_H2O_STATUS_INVALID_HEAD;
     }
 
@@ -161,13 +161,13 @@ int32_t llama_h2o_get_memory_indices(const llama_context * ctx, int32_t il, int3
         return status;
     }
 
-    if (!dst || n_dst < kv->h2o_n_memory()) {
+    if (!dst || n_dst < kv->h2o().n_memory()) {
         return LLAMA_H2O_STATUS_INVALID_RANGE;
     }
 
-    kv->h2o_read_memory_indices(il, ih, dst);
+    kv->h2o().read_memory_indices(il, ih, dst);
 
-    return kv->h2o_n_memory();
+    return kv->h2o().n_memory();
 }
 
 int32_t llama_h2o_get_scores(const llama_context * ctx, int32_t il, int32_t ih, int32_t pos0, int32_t n, float * dst) {
@@ -185,7 +185,7 @@ int32_t llama_h2o_get_scores(const llama_context * ctx, int32_t il, int32_t ih, 
         return LLAMA_H2O_STATUS_INVALID_RANGE;
     }
 
-    kv->h2o_read_scores(il, ih, pos0, n, dst);
+    kv->h2o().read_scores(il, ih, pos0, n, dst);
 
     return n;
 }

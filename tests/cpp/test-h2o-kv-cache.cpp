@@ -96,13 +96,13 @@ static std::unique_ptr<llama_kv_cache> make_cache(const llama_model & model, uin
 
 static std::vector<float> read_scores(const llama_kv_cache & kv, int il, uint32_t ih, uint32_t pos0, uint32_t n) {
     std::vector<float> res(n);
-    kv.h2o_read_scores(il, ih, pos0, n, res.data());
+    kv.h2o().read_scores(il, ih, pos0, n, res.data());
     return res;
 }
 
 static std::vector<int32_t> read_memory(const llama_kv_cache & kv, int il, uint32_t ih) {
-    std::vector<int32_t> res(kv.h2o_n_memory());
-    kv.h2o_read_memory_indices(il, ih, res.data());
+    std::vector<int32_t> res(kv.h2o().n_memory());
+    kv.h2o().read_memory_indices(il, ih, res.data());
     return res;
 }
 
@@ -173,13 +173,13 @@ static void test_layout(const llama_model & model) {
     const uint32_t kv_size = 4096;
     auto kv = make_cache(model, kv_size, L, Hh);
 
-    CHECK(kv->h2o_enabled(), "H2O cache not enabled");
-    CHECK(kv->h2o_n_memory() == M, "M = %u", kv->h2o_n_memory());
+    CHECK(kv->h2o().enabled(), "H2O cache not enabled");
+    CHECK(kv->h2o().n_memory() == M, "M = %u", kv->h2o().n_memory());
     CHECK(kv->get_layer_ids().size() == sh.n_layer, "%zu layers", kv->get_layer_ids().size());
 
     for (uint32_t il : kv->get_layer_ids()) {
-        ggml_tensor * sc  = kv->h2o_get_scores(il);
-        ggml_tensor * idx = kv->h2o_get_memory_indices(il);
+        ggml_tensor * sc  = kv->h2o().get_scores(il);
+        ggml_tensor * idx = kv->h2o().get_memory_indices(il);
 
         CHECK(sc->type == GGML_TYPE_BF16 && idx->type == GGML_TYPE_I32, "layer %u types", il);
         CHECK(ggml_is_contiguous(sc) && ggml_is_contiguous(idx), "layer %u contiguity", il);
@@ -200,11 +200,11 @@ static void test_layout(const llama_model & model) {
         }
     }
 
-    const auto & st = kv->h2o_get_chunk_state();
+    const auto & st = kv->h2o().get_chunk_state();
     CHECK(st.current_chunk_idx == 0 && st.total_tokens_processed == 0 && st.chunk_boundaries == std::vector<uint32_t>{0},
             "initial chunk state");
-    CHECK(!kv->h2o_is_memory_initialized(), "memory initialized at start");
-    CHECK(sizeof(llama_kv_cache::h2o_chunk_state) < 128, "chunk state is %zu bytes", sizeof(llama_kv_cache::h2o_chunk_state));
+    CHECK(!kv->h2o().is_memory_initialized(), "memory initialized at start");
+    CHECK(sizeof(llama_kv_cache_h2o::chunk_state) < 128, "chunk state is %zu bytes", sizeof(llama_kv_cache_h2o::chunk_state));
 }
 
 // Metric 2: O(1) access: element (pos, head) is at data + head*nb[1] + pos*nb[0]
@@ -214,9 +214,9 @@ static void test_access(const llama_model & model) {
     auto kv = make_cache(model, kv_size, L, Hh);
 
     const auto vals = colsums(sh.n_head, kv_size, [](uint32_t ih, uint32_t i) { return 0.25f*(i % 97) + ih; });
-    kv->h2o_init_chunk_scores(3, 0, kv_size, vals.data());
+    kv->h2o().init_chunk_scores(3, 0, kv_size, vals.data());
 
-    const ggml_tensor * sc = kv->h2o_get_scores(3);
+    const ggml_tensor * sc = kv->h2o().get_scores(3);
     std::mt19937 rng(7);
     for (int k = 0; k < 10000; ++k) {
         const uint32_t ih  = rng() % sh.n_head;
@@ -243,17 +243,17 @@ static void test_memory_overhead(const llama_model & model) {
         for (const auto & [_, n] : h2o ->memory_breakdown()) size_h2o  += n;
 
         const double overhead = 100.0*(double) (size_h2o - size_base)/size_base;
-        CHECK(size_h2o - size_base == h2o->h2o_size_bytes(), "kv_size %u: breakdown grew by %zu, H2O tensors are %zu",
-                kv_size, size_h2o - size_base, h2o->h2o_size_bytes());
+        CHECK(size_h2o - size_base == h2o->h2o().size_bytes(), "kv_size %u: breakdown grew by %zu, H2O tensors are %zu",
+                kv_size, size_h2o - size_base, h2o->h2o().size_bytes());
         CHECK(overhead < 5.0, "kv_size %u: overhead %.2f %%", kv_size, overhead);
         printf("  memory overhead, kv_size %5u: K+V %.2f MiB, H2O %.3f MiB = %.2f %%\n",
-                kv_size, size_base/1048576.0, h2o->h2o_size_bytes()/1048576.0, overhead);
+                kv_size, size_base/1048576.0, h2o->h2o().size_bytes()/1048576.0, overhead);
     }
 }
 
 // every slot is -1 or a position before chunk_end; valid slots strictly ascending
 static void check_memory_bounds(const llama_kv_cache & kv, int il, uint32_t chunk_end, const char * what) {
-    for (uint32_t ih = 0; ih < kv.h2o_get_scores(il)->ne[1]; ++ih) {
+    for (uint32_t ih = 0; ih < kv.h2o().get_scores(il)->ne[1]; ++ih) {
         const auto m = read_memory(kv, il, ih);
         bool seen_empty = false;
         for (size_t i = 0; i < m.size(); ++i) {
@@ -275,25 +275,25 @@ static void test_index_bounds(const llama_model & model) {
     {
         auto kv = make_cache(model, kv_size, L, Hh);
         const auto c0 = colsums(sh.n_head, S, [&](uint32_t, uint32_t) { return u(rng); });
-        kv->h2o_init_chunk_scores(0, 0, S, c0.data());
-        kv->h2o_build_memory_set(0, S);
+        kv->h2o().init_chunk_scores(0, 0, S, c0.data());
+        kv->h2o().build_memory_set(0, S);
         check_memory_bounds(*kv, 0, S, "N = S");
         for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
             CHECK(valid_slots(read_memory(*kv, 0, ih)).size() == M, "N = S: head %u memory not full", ih);
         }
 
-        kv->h2o_next_chunk(S);
+        kv->h2o().next_chunk(S);
         const auto c1 = colsums(sh.n_head, S - 1, [&](uint32_t, uint32_t) { return u(rng); });
-        kv->h2o_init_chunk_scores(0, S, S - 1, c1.data());
-        kv->h2o_build_memory_set(0, 2*S - 1);
+        kv->h2o().init_chunk_scores(0, S, S - 1, c1.data());
+        kv->h2o().build_memory_set(0, 2*S - 1);
         check_memory_bounds(*kv, 0, 2*S - 1, "N = 2S - 1");
     }
     {
         auto kv = make_cache(model, kv_size, L, Hh);
         const uint32_t n = 100; // < L: the whole chunk is local, nothing is heavy
         const auto c0 = colsums(sh.n_head, n, [&](uint32_t, uint32_t) { return u(rng); });
-        kv->h2o_init_chunk_scores(0, 0, n, c0.data());
-        kv->h2o_build_memory_set(0, n);
+        kv->h2o().init_chunk_scores(0, 0, n, c0.data());
+        kv->h2o().build_memory_set(0, n);
         check_memory_bounds(*kv, 0, n, "N < L");
         for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
             const auto v = valid_slots(read_memory(*kv, 0, ih));
@@ -304,8 +304,8 @@ static void test_index_bounds(const llama_model & model) {
         // the last position of the cache
         auto kv = make_cache(model, S, L, Hh);
         const auto c0 = colsums(sh.n_head, S, [&](uint32_t, uint32_t) { return u(rng); });
-        kv->h2o_init_chunk_scores(0, 0, S, c0.data());
-        kv->h2o_build_memory_set(0, S);
+        kv->h2o().init_chunk_scores(0, 0, S, c0.data());
+        kv->h2o().build_memory_set(0, S);
         check_memory_bounds(*kv, 0, S, "N = kv_size");
     }
 }
@@ -332,7 +332,7 @@ static void test_score_init(const llama_model & model) {
     }
 
     const uint32_t start = 2*n; // a chunk that does not start at 0
-    kv->h2o_init_chunk_scores(5, start, n, expected.data());
+    kv->h2o().init_chunk_scores(5, start, n, expected.data());
 
     float max_rel = 0.0f;
     for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
@@ -360,9 +360,9 @@ static void test_score_init(const llama_model & model) {
 // builds chunk 0 of a cache with the given colsum generator and returns it
 static void run_chunk0(llama_kv_cache & kv, int il, uint32_t n_head, const std::function<float(uint32_t, uint32_t)> & f) {
     const auto c0 = colsums(n_head, S, f);
-    kv.h2o_init_chunk_scores(il, 0, S, c0.data());
-    kv.h2o_build_memory_set(il, S);
-    kv.h2o_next_chunk(S);
+    kv.h2o().init_chunk_scores(il, 0, S, c0.data());
+    kv.h2o().build_memory_set(il, S);
+    kv.h2o().next_chunk(S);
 }
 
 // Metric 6: accumulation adds to the memory positions only, never decreases, stays finite
@@ -379,7 +379,7 @@ static void test_score_accumulation(const llama_model & model) {
 
     std::uniform_real_distribution<float> du(0.05f, 0.5f);
     const auto inter = colsums(sh.n_head, M, [&](uint32_t, uint32_t) { return du(rng); });
-    kv->h2o_accumulate_memory_scores(0, inter.data());
+    kv->h2o().accumulate_memory_scores(0, inter.data());
 
     for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
         const auto after = read_scores(*kv, 0, ih, 0, S);
@@ -416,8 +416,8 @@ static void test_heavy_selection(const llama_model & model) {
             }
         };
         const auto c0 = colsums(sh.n_head, S, f);
-        kv->h2o_init_chunk_scores(2, 0, S, c0.data());
-        kv->h2o_build_memory_set(2, S);
+        kv->h2o().init_chunk_scores(2, 0, S, c0.data());
+        kv->h2o().build_memory_set(2, S);
 
         for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
             const auto s = read_scores(*kv, 2, ih, 0, S);
@@ -453,10 +453,10 @@ static void test_cross_chunk(const llama_model & model) {
     for (uint32_t c = 1; c <= 3; ++c) {
         // inter pass: memory tokens gain a little; then the chunk's own intra scores
         const auto inter = colsums(sh.n_head, M, [&](uint32_t, uint32_t) { return 0.01f*u(rng); });
-        kv->h2o_accumulate_memory_scores(il, inter.data());
+        kv->h2o().accumulate_memory_scores(il, inter.data());
         const auto intra = colsums(sh.n_head, S, [&](uint32_t, uint32_t) { return u(rng); });
-        kv->h2o_init_chunk_scores(il, c*S, S, intra.data());
-        kv->h2o_build_memory_set(il, (c + 1)*S);
+        kv->h2o().init_chunk_scores(il, c*S, S, intra.data());
+        kv->h2o().build_memory_set(il, (c + 1)*S);
 
         for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
             const auto mem = read_memory(*kv, il, ih);
@@ -474,10 +474,10 @@ static void test_cross_chunk(const llama_model & model) {
             }
             prev[ih] = mem;
         }
-        kv->h2o_next_chunk(S);
+        kv->h2o().next_chunk(S);
     }
 
-    const auto & st = kv->h2o_get_chunk_state();
+    const auto & st = kv->h2o().get_chunk_state();
     CHECK(st.current_chunk_idx == 4 && st.total_tokens_processed == 4*S, "chunk state %u/%u", st.current_chunk_idx, st.total_tokens_processed);
     CHECK((st.chunk_boundaries == std::vector<uint32_t>{0, S, 2*S, 3*S, 4*S}), "chunk boundaries");
 }
@@ -488,8 +488,8 @@ static void test_per_head(const llama_model & model) {
     auto kv = make_cache(model, 4096, L, Hh);
 
     const auto c0 = colsums(sh.n_head, S, [](uint32_t ih, uint32_t pos) { return (float) ((pos*7 + ih*11) % 100)/100.0f; });
-    kv->h2o_init_chunk_scores(1, 0, S, c0.data());
-    kv->h2o_build_memory_set(1, S);
+    kv->h2o().init_chunk_scores(1, 0, S, c0.data());
+    kv->h2o().build_memory_set(1, S);
 
     uint32_t different = 0;
     for (uint32_t ih = 0; ih + 1 < sh.n_head; ++ih) {
@@ -503,8 +503,8 @@ static void test_per_head(const llama_model & model) {
     auto c1 = c0;
     for (uint32_t i = 0; i < S; ++i) c1[(size_t) 4*S + i] = (float) i; // head 4: later is better
     auto kv2 = make_cache(model, 4096, L, Hh);
-    kv2->h2o_init_chunk_scores(1, 0, S, c1.data());
-    kv2->h2o_build_memory_set(1, S);
+    kv2->h2o().init_chunk_scores(1, 0, S, c1.data());
+    kv2->h2o().build_memory_set(1, S);
     for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
         const bool same = read_memory(*kv2, 1, ih) == before[ih];
         CHECK(ih == 4 ? !same : same, "head %u: memory %s", ih, same ? "unchanged" : "changed");
@@ -538,12 +538,12 @@ static void test_long_run(const llama_model & model) {
 
     for (uint32_t c = 0; c < n_chunks; ++c) {
         if (c > 0) {
-            kv->h2o_accumulate_memory_scores(0, half.data());
+            kv->h2o().accumulate_memory_scores(0, half.data());
         }
-        kv->h2o_init_chunk_scores(0, c*S, S, half.data());
-        kv->h2o_build_memory_set(0, (c + 1)*S);
+        kv->h2o().init_chunk_scores(0, c*S, S, half.data());
+        kv->h2o().build_memory_set(0, (c + 1)*S);
         check_memory_bounds(*kv, 0, (c + 1)*S, "16 chunks");
-        kv->h2o_next_chunk(S);
+        kv->h2o().next_chunk(S);
     }
 
     float mx = 0.0f;
@@ -555,7 +555,7 @@ static void test_long_run(const llama_model & model) {
     }
     // equal scores everywhere: the lowest positions are the heavy hitters, and they keep accumulating
     CHECK(bf16_close(mx, 0.5f + 0.5f*(n_chunks - 1)), "max score %g", mx);
-    CHECK(kv->h2o_get_chunk_idx() == n_chunks && kv->h2o_get_total_tokens() == n_chunks*S, "chunk state");
+    CHECK(kv->h2o().get_chunk_idx() == n_chunks && kv->h2o().get_total_tokens() == n_chunks*S, "chunk state");
 }
 
 // gathers: query head ih reads the K/V rows of its memory positions from KV head ih / n_gqa
@@ -577,8 +577,8 @@ static void test_gather(const llama_model & model) {
 
     ggml_init_params params = { 64*ggml_tensor_overhead() + 2*ggml_graph_overhead() + 2*sizeof(float)*sh.n_embd_head*M*sh.n_head + 4096, nullptr, false };
     ggml_context * ctx = ggml_init(params);
-    ggml_tensor * k_mem = kv->h2o_gather_k_memory(ctx, il);
-    ggml_tensor * v_mem = kv->h2o_gather_v_memory(ctx, il);
+    ggml_tensor * k_mem = kv->h2o().gather_k_memory(ctx, il);
+    ggml_tensor * v_mem = kv->h2o().gather_v_memory(ctx, il);
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, k_mem);
     ggml_build_forward_expand(gf, v_mem);
@@ -645,11 +645,11 @@ static void test_random_cases(const llama_model & model) {
             const uint32_t end   = std::min(N, start + S_);
             if (c > 0) {
                 const auto inter = colsums(sh.n_head, M_, [&](uint32_t, uint32_t) { return draw(); });
-                kv->h2o_accumulate_memory_scores(il, inter.data());
+                kv->h2o().accumulate_memory_scores(il, inter.data());
             }
             const auto intra = colsums(sh.n_head, end - start, [&](uint32_t, uint32_t) { return draw(); });
-            kv->h2o_init_chunk_scores(il, start, end - start, intra.data());
-            kv->h2o_build_memory_set(il, end);
+            kv->h2o().init_chunk_scores(il, start, end - start, intra.data());
+            kv->h2o().build_memory_set(il, end);
             ++n_cases;
 
             for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
@@ -666,7 +666,7 @@ static void test_random_cases(const llama_model & model) {
                 }
                 prev[ih] = mem;
             }
-            kv->h2o_next_chunk(end - start);
+            kv->h2o().next_chunk(end - start);
         }
     }
     printf("  %d random chunk builds agree with the rule\n", n_cases);
@@ -677,16 +677,16 @@ static void test_reset(const llama_model & model) {
     const shape sh = model_shape(model);
     auto kv = make_cache(model, 4096, L, Hh);
     run_chunk0(*kv, 0, sh.n_head, [](uint32_t, uint32_t i) { return 1.0f + i; });
-    CHECK(kv->h2o_is_memory_initialized() && kv->h2o_get_chunk_idx() == 1, "state before clear");
+    CHECK(kv->h2o().is_memory_initialized() && kv->h2o().get_chunk_idx() == 1, "state before clear");
 
     kv->clear(false);
-    CHECK(!kv->h2o_is_memory_initialized() && kv->h2o_get_chunk_idx() == 0 && kv->h2o_get_total_tokens() == 0, "state after clear");
+    CHECK(!kv->h2o().is_memory_initialized() && kv->h2o().get_chunk_idx() == 0 && kv->h2o().get_total_tokens() == 0, "state after clear");
     CHECK(read_scores(*kv, 0, 0, 0, S) == std::vector<float>(S, 0.0f), "scores after clear");
     CHECK(read_memory(*kv, 0, 0) == std::vector<int32_t>(M, -1), "memory after clear");
 
     run_chunk0(*kv, 0, sh.n_head, [](uint32_t, uint32_t i) { return 1.0f + i; });
     CHECK(kv->seq_rm(0, -1, -1), "removing the whole (empty) sequence");
-    CHECK(!kv->h2o_is_memory_initialized() && kv->h2o_get_chunk_idx() == 0, "state after seq_rm");
+    CHECK(!kv->h2o().is_memory_initialized() && kv->h2o().get_chunk_idx() == 0, "state after seq_rm");
     CHECK(!kv->get_can_shift(), "an H2O cache must not claim K-shift support");
 }
 
@@ -1188,27 +1188,27 @@ static void run_benchmarks(const llama_model & model, uint32_t kv_size) {
     const auto inter = colsums(sh.n_head, M, [&](uint32_t, uint32_t) { return 0.01f*u(rng); });
 
     // 2: memory-set build per layer, after chunk 0 (no previous memory) and in steady state (chunk >= 1)
-    kv->h2o_init_chunk_scores(0, 0, S, intra[0].data());
+    kv->h2o().init_chunk_scores(0, 0, S, intra[0].data());
     const double t_build0 = median_us(51, [&] {
-        kv->h2o_reset(0);
-        kv->h2o_init_chunk_scores(0, 0, S, intra[0].data());
-        kv->h2o_build_memory_set(0, S);
+        kv->h2o().reset(0);
+        kv->h2o().init_chunk_scores(0, 0, S, intra[0].data());
+        kv->h2o().build_memory_set(0, S);
     }) - median_us(51, [&] {
-        kv->h2o_reset(0);
-        kv->h2o_init_chunk_scores(0, 0, S, intra[0].data());
+        kv->h2o().reset(0);
+        kv->h2o().init_chunk_scores(0, 0, S, intra[0].data());
     });
-    kv->h2o_reset(0);
+    kv->h2o().reset(0);
     for (uint32_t c = 0; c + 1 < n_chunks; ++c) {
-        kv->h2o_init_chunk_scores(0, c*S, S, intra[c].data());
-        kv->h2o_build_memory_set(0, (c + 1)*S);
-        kv->h2o_next_chunk(S);
+        kv->h2o().init_chunk_scores(0, c*S, S, intra[c].data());
+        kv->h2o().build_memory_set(0, (c + 1)*S);
+        kv->h2o().next_chunk(S);
     }
-    kv->h2o_init_chunk_scores(0, (n_chunks - 1)*S, S, intra[n_chunks - 1].data());
+    kv->h2o().init_chunk_scores(0, (n_chunks - 1)*S, S, intra[n_chunks - 1].data());
     std::vector<int32_t> saved((size_t) M*sh.n_head);
-    ggml_backend_tensor_get(kv->h2o_get_memory_indices(0), saved.data(), 0, saved.size()*sizeof(int32_t));
+    ggml_backend_tensor_get(kv->h2o().get_memory_indices(0), saved.data(), 0, saved.size()*sizeof(int32_t));
     const double t_build = median_us(201, [&] {
-        ggml_backend_tensor_set(kv->h2o_get_memory_indices(0), saved.data(), 0, saved.size()*sizeof(int32_t));
-        kv->h2o_build_memory_set(0, n_chunks*S);
+        ggml_backend_tensor_set(kv->h2o().get_memory_indices(0), saved.data(), 0, saved.size()*sizeof(int32_t));
+        kv->h2o().build_memory_set(0, n_chunks*S);
     });
     printf("benchmark 2, memory-set build per layer:      %8.1f us in steady state (chunk %u), %8.1f us after chunk 0 (target < 1000 us); %u layers: %.2f ms per chunk\n",
             t_build, n_chunks - 1, t_build0, sh.n_layer, t_build*sh.n_layer/1e3);
@@ -1216,12 +1216,12 @@ static void run_benchmarks(const llama_model & model, uint32_t kv_size) {
     // 3: score update per call (one layer, all heads, M slots)
     const int n_calls = 1000;
     const double t_acc = median_us(7, [&] {
-        for (int i = 0; i < n_calls; ++i) kv->h2o_accumulate_memory_scores(0, inter.data());
+        for (int i = 0; i < n_calls; ++i) kv->h2o().accumulate_memory_scores(0, inter.data());
     })/n_calls;
     printf("benchmark 3, score update per call:            %8.2f us (%u heads x %u slots; target < 10 us)\n", t_acc, sh.n_head, M);
 
     // metric 2 as a figure: random score reads
-    const ggml_tensor * sc = kv->h2o_get_scores(0);
+    const ggml_tensor * sc = kv->h2o().get_scores(0);
     std::vector<uint32_t> probes(100000);
     for (auto & p : probes) p = (rng() % sh.n_head)*kv_size + rng() % kv_size;
     float sink = 0.0f;
@@ -1231,7 +1231,7 @@ static void run_benchmarks(const llama_model & model, uint32_t kv_size) {
     printf("metric 2, random score read:                   %8.4f us per access (target < 1 us) [%g]\n", t_read, sink > 0 ? 1.0 : 0.0);
 
     // init per call, for completeness
-    const double t_init = median_us(101, [&] { kv->h2o_init_chunk_scores(0, 0, S, intra[0].data()); });
+    const double t_init = median_us(101, [&] { kv->h2o().init_chunk_scores(0, 0, S, intra[0].data()); });
     printf("score init per call (S = %u, all heads):     %8.1f us\n", S, t_init);
 }
 

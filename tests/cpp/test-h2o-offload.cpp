@@ -319,8 +319,8 @@ forced_result forced_comparison(llama_model * model_cpu, const placement & cpu, 
     }
     // internal API: the cache that holds the H2O state tensors
     llama_kv_cache * kv = dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx));
-    CHECK(kv != nullptr && kv->h2o_enabled(), "%s: the memory is not an H2O llama_kv_cache", gpu.name);
-    if (kv == nullptr || !kv->h2o_enabled()) {
+    CHECK(kv != nullptr && kv->h2o().enabled(), "%s: the memory is not an H2O llama_kv_cache", gpu.name);
+    if (kv == nullptr || !kv->h2o().enabled()) {
         llama_free(ctx);
         return r;
     }
@@ -429,7 +429,7 @@ forced_result forced_comparison(llama_model * model_cpu, const placement & cpu, 
 
         // force: the offloaded context continues from the CPU's memory sets
         for (int32_t il = 0; il < info.n_layer; ++il) {
-            ggml_tensor * idx = kv->h2o_get_memory_indices(il);
+            ggml_tensor * idx = kv->h2o().get_memory_indices(il);
             CHECK(idx->type == GGML_TYPE_I32 && idx->ne[0] == M && idx->ne[1] == info.n_head && ggml_is_contiguous(idx),
                     "layer %d: memory-index tensor is not [M, n_head] I32", il);
             ggml_backend_tensor_set(idx, want.memory.data() + (size_t) il*info.n_head*M, 0, ggml_nbytes(idx));
