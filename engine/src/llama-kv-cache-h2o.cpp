@@ -617,7 +617,7 @@ bool llama_kv_cache_h2o::seq_rm_allowed(uint32_t s, llama_pos p0, llama_pos p1, 
                     p0/(llama_pos) S*(llama_pos) S);
         } else {
             LLAMA_LOG_ERROR("%s: H2O: cannot remove positions [%d, %d) of sequence %d holding [%d, %d]: its prompt batches "
-                    "scored positions up to %u, so it can be removed whole or cut from position %u on; with undo_log "
+                    "scored positions up to %u, so it can be removed whole or cut from position %u on; with h2o_undo_log "
                     "on in llama_context_params it can also be cut at a chunk boundary (a multiple of n_ubatch = %u)\n",
                     __func__, p0, p1, seq, pos_min, pos_max, hs.chunk.prompt_end, hs.chunk.prompt_end, S);
         }
