@@ -1,5 +1,5 @@
 //! Capture of the H2O attention op's inputs and output through llama.cpp's eval callback, so that
-//! the engine's prefill can be recomputed by [`crate::research::reference`] and compared, layer by layer.
+//! the engine's prefill can be recomputed by the plain-Rust reference (`h2o_research::reference`) and compared, layer by layer.
 //!
 //! Turned on with [`crate::SessionConfig::capture_attention`]; every `llama_decode` call that
 //! runs the sparse prefill then leaves one [`AttentionCapture`] per layer, taken with

@@ -40,7 +40,6 @@ pub mod fuzzing;
 pub mod grammars;
 mod model;
 pub mod models;
-pub mod research;
 mod sampler;
 mod session;
 
@@ -55,9 +54,11 @@ pub use chat_templates::{
 pub use error::{DecodeError, Error, ErrorKind, H2oError, Result};
 pub use model::{FimTokens, Model, ModelParams, Token};
 pub use sampler::{GrammarTriggers, Sampler, SamplerConfig, TokenLogprobs};
+#[cfg(not(feature = "stock"))]
+pub use session::engine_build_memory_set;
 pub use session::{
-    AbortCheck, FlashAttention, Generation, H2oConfig, H2oState, Integrity, ParallelSession,
-    PromptCache, Selection, SeqId, Session, SessionConfig, Timings,
+    AbortCheck, FlashAttention, Generation, H2oConfig, H2oState, Integrity, MemorySet,
+    ParallelSession, PromptCache, Selection, SeqId, Session, SessionConfig, Timings,
 };
 
 /// Version of the pinned upstream crate whose llama.cpp this library builds.

@@ -32,7 +32,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use h2o_llama::research::reference::{
+use h2o_research::reference::{
     apply_sink, h2o_attention_coverage, h2o_attention_head_given_memory, CoverageParams, H2oParams,
     Logits, Matrix, MemorySet,
 };

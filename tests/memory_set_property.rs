@@ -5,8 +5,8 @@
 //! NaN) — and every set it builds is in range, ascending, and Local and Heavy never overlap.
 #![cfg(not(feature = "stock"))]
 
-use h2o_llama::research::engine_rule::engine_build_memory_set;
-use h2o_llama::research::reference::{build_memory_set, H2oParams, MemorySet};
+use h2o_llama::engine_build_memory_set;
+use h2o_research::reference::{build_memory_set, H2oParams, MemorySet};
 use h2o_llama::Error;
 
 /// A small deterministic generator (SplitMix64), so that a failure names a reproducible trial.

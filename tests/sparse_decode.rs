@@ -150,7 +150,7 @@ fn a_budget_covering_the_context_decodes_as_full_attention() {
     for c in &steps {
         assert_eq!(c.n, 701);
         let every: Vec<Vec<usize>> = vec![(0..c.n as usize).collect(); c.n_head_kv as usize];
-        let reference = h2o_llama::research::reference::decode_attention(c, &every);
+        let reference = h2o_research::reference::decode_attention(c, &every);
         for (&engine, &r) in c.output.iter().zip(&reference) {
             worst = worst.max((f64::from(engine) - r).abs());
         }
@@ -390,7 +390,7 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
         let (d, n_head_kv) = (c.head_dim as usize, c.n_head_kv as usize);
         for kvh in 0..n_head_kv {
             let key = |pos: usize| &c.k[(pos * n_head_kv + kvh) * d..][..d];
-            let energy = h2o_llama::research::reference::channel_energy(key, 62 * 16, d);
+            let energy = h2o_research::reference::channel_energy(key, 62 * 16, d);
             let chosen = &c.sketch_channels[kvh * (d / 4)..][..d / 4];
             assert!(chosen.windows(2).all(|w| w[0] < w[1]), "{chosen:?}");
             // every kept channel holds at least the energy of every channel left out (within
@@ -409,7 +409,7 @@ fn every_layer_of_a_choosing_step_matches_the_f64_reference() {
                 }
             }
         }
-        let (plans, out) = h2o_llama::research::reference::decode_step(c);
+        let (plans, out) = h2o_research::reference::decode_step(c);
         assert!(plans.iter().all(|p| p.chosen.len() == 128));
         worst = worst.max(against_reference(c, &out));
     }
@@ -434,7 +434,7 @@ fn a_step_following_coverage_takes_what_the_reference_takes() {
     let (mut fewer, mut n_plans) = (0, 0);
     for c in &steps {
         assert_eq!((c.budget, c.coverage), (512, 0.7));
-        let (plans, out) = h2o_llama::research::reference::decode_step(c);
+        let (plans, out) = h2o_research::reference::decode_step(c);
         for plan in &plans {
             assert!(plan.chosen.len() <= 512);
             fewer += usize::from(plan.chosen.len() < 512);

@@ -2,7 +2,7 @@
 //!
 //! Every measurement is a fresh process (this binary for H2O, `--stock-cli` for stock), so that
 //! each starts from the same cold state and its peak memory is its own. The schedule (engines
-//! alternating), medians and the table are `h2o_llama::research::bench`'s.
+//! alternating), medians and the table are `h2o_research::bench`'s.
 
 use std::cell::Cell;
 use std::io::IsTerminal;
@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
-use h2o_llama::research::bench::{self, Engine, Measurement, Point, Report, Run};
-use h2o_llama::research::chart;
+use h2o_research::bench::{self, Engine, Measurement, Point, Report, Run};
+use h2o_research::chart;
 use h2o_llama::{default_model, models, H2oConfig};
 
 #[derive(clap::Args, Debug)]

@@ -1,4 +1,4 @@
-//! `h2o-cli coverage`: the headroom study of memory selection (`h2o_llama::research::coverage`). It
+//! `h2o-cli coverage`: the headroom study of memory selection (`h2o_research::coverage`). It
 //! captures queries and keys of a full-attention prefill of the text, then prints how much of
 //! each query's attention every way of choosing the memory covers, at the same average budget.
 
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oMemory};
-use h2o_llama::research::coverage::{self, Report, StudyConfig};
+use h2o_research::coverage::{self, Report, StudyConfig};
 use h2o_llama::{H2oConfig, Token};
 
 #[derive(clap::Args, Debug)]

@@ -1,4 +1,4 @@
-//! `h2o-cli eval`: the long-context task suite of `h2o_llama::research::eval` (needles, multi-key,
+//! `h2o-cli eval`: the long-context task suite of `h2o_research::eval` (needles, multi-key,
 //! multi-value, variable tracking, key-value lookup) at several lengths and depths, answered by
 //! full attention and by each H2O policy on the same prompts in one run.
 
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
-use h2o_llama::research::eval::{self, Contender, Task};
+use h2o_research::eval::{self, Contender, Task};
 use h2o_llama::{H2oConfig, SessionConfig};
 
 /// Context beyond a prompt's nominal length: its last sentence may run over, and the answer
@@ -225,7 +225,7 @@ fn draw_heatmaps(
             c.name,
             args.engine.ubatch_size(true)
         );
-        h2o_llama::research::chart::accuracy_heatmap(
+        h2o_research::chart::accuracy_heatmap(
             &file,
             &title,
             &args.depths,

@@ -1,5 +1,5 @@
 //! `h2o-cli heavy-hitters`: which tokens H2O keeps, and how stable that choice is. The study is
-//! `h2o_llama::research::heavy_hitters` (the method is described there); this command reads the prompt,
+//! `h2o_research::heavy_hitters` (the method is described there); this command reads the prompt,
 //! prints the report as a table or JSON and, with `--png`, draws a map of the positions each
 //! head kept, shaded by how many chunks kept them.
 
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
-use h2o_llama::research::heavy_hitters::{self, Progress, Report, StudyConfig};
+use h2o_research::heavy_hitters::{self, Progress, Report, StudyConfig};
 use h2o_llama::{demo, Token};
 
 #[derive(clap::Args, Debug)]
@@ -73,7 +73,7 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         None => demo::prompt(demo::DEFAULT_ENTRIES),
     };
     if let Some(png) = &args.png {
-        h2o_llama::research::chart::check_writable(png).context("--png")?;
+        h2o_research::chart::check_writable(png).context("--png")?;
     }
     let model = crate::load_model(&args.engine, args.json, &interrupt)?;
     let mut tokens: Vec<Token> = model.tokenize(&text, true, true)?;
@@ -110,9 +110,9 @@ pub fn run(args: &HeavyHittersArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
             "heavy hitters kept, {} tokens, S={} L={} H={}: darker = kept by more of the {} memory sets",
             report.prompt_tokens, report.n_ubatch, report.h2o.local, report.h2o.heavy, report.sets_per_head
         );
-        h2o_llama::research::chart::selection_map(
+        h2o_research::chart::selection_map(
             png,
-            &h2o_llama::research::chart::SelectionMap {
+            &h2o_research::chart::SelectionMap {
                 title: &title,
                 layers: &kept.layers,
                 n_head: kept.n_head,

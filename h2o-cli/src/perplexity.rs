@@ -1,6 +1,6 @@
 //! `h2o-cli perplexity`: how much worse H2O predicts a text than full attention. The scoring
 //! (windows as llama-perplexity cuts them, KLD, top-1 agreement, far context) is
-//! `h2o_llama::research::scoring::perplexity`; this is its flags, progress and tables.
+//! `h2o_research::scoring::perplexity`; this is its flags, progress and tables.
 //!
 //! Full attention here is this build with H2O off, which `h2o-cli/tests/stock_equivalence.rs`
 //! shows is bit-identical to the stock build; `scripts/ppl-vs-stock.sh` also runs the stock
@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use h2o_flags::{EngineFlags, H2oFlags};
-use h2o_llama::research::scoring::decode_tail;
-use h2o_llama::research::scoring::perplexity::{
+use h2o_research::scoring::decode_tail;
+use h2o_research::scoring::perplexity::{
     self, FarContext, PrefillTimes, ShapeScores, WindowOptions, FAR_TAIL,
 };
-use h2o_llama::research::scoring::Summary;
+use h2o_research::scoring::Summary;
 use h2o_llama::{CacheType, H2oConfig, Model, SessionConfig};
 
 #[derive(clap::Args, Debug)]
@@ -217,7 +217,7 @@ pub fn run(args: &PerplexityArgs, interrupt: Arc<AtomicBool>) -> Result<()> {
         anyhow::bail!("--speed 0: give the number of timed prefills per configuration, 1 or more");
     }
     if let Some(png) = &args.png {
-        h2o_llama::research::chart::check_writable(png).context("--png")?;
+        h2o_research::chart::check_writable(png).context("--png")?;
     }
     let text = crate::read_text_file(&args.file, "text file")?;
     let model = crate::load_model(&args.engine, args.json, &interrupt)?;
@@ -387,10 +387,10 @@ fn draw_tradeoff(
     shapes: &[ShapeScores],
     t: &PrefillTimes,
 ) -> Result<()> {
-    let points: Vec<h2o_llama::research::chart::TradeoffPoint> = shapes
+    let points: Vec<h2o_research::chart::TradeoffPoint> = shapes
         .iter()
         .zip(&t.shape_seconds)
-        .map(|(shape, &secs)| h2o_llama::research::chart::TradeoffPoint {
+        .map(|(shape, &secs)| h2o_research::chart::TradeoffPoint {
             label: format!(
                 "{} {}:{}",
                 shape.h2o.policy_label(),
@@ -408,7 +408,7 @@ fn draw_tradeoff(
         "{text}, {} tokens, -ub {}: perplexity against prefill speed (full attention = 1×)",
         t.tokens, r.n_ubatch
     );
-    Ok(h2o_llama::research::chart::tradeoff(png, &title, &points)?)
+    Ok(h2o_research::chart::tradeoff(png, &title, &points)?)
 }
 
 fn table(r: &Report) -> String {

@@ -296,7 +296,7 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
         (
             &["-p", "x", "--h2o-select", "nope"],
             2,
-            "unknown H2O selection policy \"nope\": use one of h2o, query, query-mean, hybrid, coverage",
+            "unknown H2O selection policy \"nope\": use one of seed, query, query-mean, hybrid, coverage",
         ),
         (
             &[
@@ -1183,7 +1183,7 @@ fn eval_scores_full_attention_and_each_policy_on_the_same_prompts() {
         names,
         [
             "full attention",
-            "h2o sink 0 tail 0",
+            "seed sink 0 tail 0",
             "coverage sink 4 tail 64"
         ]
     );

@@ -14,7 +14,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use h2o_llama::research::reference::{build_memory_set, H2oParams, MemorySet};
+use h2o_research::reference::{build_memory_set, H2oParams, MemorySet};
 use h2o_llama::{ChatMessage, H2oConfig, Session, SessionConfig, Token};
 
 fn config(h2o: H2oConfig) -> SessionConfig {

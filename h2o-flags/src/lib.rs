@@ -93,8 +93,8 @@ impl DecodeMode {
 /// ([`H2oConfig::new`]).
 #[derive(Args, Debug, Clone, Copy)]
 pub struct H2oPolicy {
-    /// H2O: how the heavy part of the memory is chosen: h2o (the seed rule: accumulated past
-    /// attention), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
+    /// H2O: how the heavy part of the memory is chosen: seed (the seed rule: accumulated past
+    /// attention; also taken as h2o), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
     /// keys), hybrid (half query, half accumulated attention), coverage (each tile of 64 queries
     /// its own memory from sampled queries; budgets shared by the heads where they cover most)
     #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
@@ -105,7 +105,8 @@ pub struct H2oPolicy {
     pub dense_tail: u32,
     /// H2O coverage policy: a tile takes no more budget once its memory covers this share of
     /// its estimated attention, in (0, 1] (1: the whole budget -L + -H on average)
-    #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0)]
+    // hidden: a research knob; its default spends the whole budget, which every measured target uses
+    #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0, hide = true)]
     pub coverage: f32,
     /// H2O coverage policy: queries of each tile of 64 that attend to every position before the
     /// chunk to choose its memory (1, 2, 4, 8, 16, 32 or 64; more choose better and cost more)
@@ -130,10 +131,12 @@ pub struct H2oPolicy {
     /// H2O sparse decode: of its budget, a step takes only the fewest positions whose estimated
     /// attention holds this share of all those between the sinks and the window, in (0, 1]
     /// (1: the whole budget; the budget is then a cap)
+    // hidden: a research knob; its default takes the whole budget, which every measured target uses
     #[arg(
         long = "h2o-decode-coverage",
         value_name = "GAMMA",
-        default_value_t = 1.0
+        default_value_t = 1.0,
+        hide = true
     )]
     pub decode_coverage: f32,
 }

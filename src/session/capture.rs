@@ -1,5 +1,5 @@
 //! Reading what the eval callback captured of the H2O attention ops (see [`crate::capture`]), for
-//! the layer-by-layer proof against [`crate::research::reference`].
+//! the layer-by-layer proof against the plain-Rust reference (`h2o_research::reference`).
 
 use super::Session;
 use crate::capture::{AttentionCapture, CaptureSink, DecodeCapture};

@@ -9,10 +9,10 @@ use crate::model::Model;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Selection {
-    /// The seed rule (`h2o`): after each chunk, the positions with the highest attention
-    /// accumulated from earlier queries.
+    /// The seed rule (`seed`; `h2o` is taken too, its name before): after each chunk, the
+    /// positions with the highest attention accumulated from earlier queries.
     #[default]
-    H2o,
+    Seed,
     /// `query`: each chunk picks blocks of 16 earlier positions by how strongly its own queries
     /// may attend to them, bounded per channel by the block's key minima and maxima.
     Query,
@@ -32,7 +32,7 @@ pub enum Selection {
 impl Selection {
     /// Every policy, in the order the CLI lists them.
     pub const ALL: [Selection; 5] = [
-        Selection::H2o,
+        Selection::Seed,
         Selection::Query,
         Selection::QueryMean,
         Selection::Hybrid,
@@ -43,7 +43,7 @@ impl Selection {
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {
-            Selection::H2o => "h2o",
+            Selection::Seed => "seed",
             Selection::Query => "query",
             Selection::QueryMean => "query-mean",
             Selection::Hybrid => "hybrid",
@@ -54,7 +54,7 @@ impl Selection {
     #[cfg(not(feature = "stock"))]
     pub(crate) fn to_sys(self) -> crate::sys::llama_h2o_select {
         match self {
-            Selection::H2o => crate::sys::LLAMA_H2O_SELECT_H2O,
+            Selection::Seed => crate::sys::LLAMA_H2O_SELECT_H2O,
             Selection::Query => crate::sys::LLAMA_H2O_SELECT_QUERY,
             Selection::QueryMean => crate::sys::LLAMA_H2O_SELECT_QUERY_MEAN,
             Selection::Hybrid => crate::sys::LLAMA_H2O_SELECT_HYBRID,
@@ -73,6 +73,10 @@ impl std::str::FromStr for Selection {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
+        // the seed rule's name before it was `seed`, kept for command lines and scripts
+        if s == "h2o" {
+            return Ok(Selection::Seed);
+        }
         Selection::ALL
             .into_iter()
             .find(|p| p.name() == s)
@@ -393,7 +397,7 @@ pub struct SessionConfig {
     /// default, as in llama.cpp; ignored without H2O.
     pub h2o_undo_log: bool,
     /// Copy every H2O attention op's inputs and output out of the graph, for checks against
-    /// [`crate::research::reference`] (see [`Session::take_attention_captures`](crate::Session::take_attention_captures)). Slow and memory-hungry:
+    /// the plain-Rust reference (`h2o_research::reference`) (see [`Session::take_attention_captures`](crate::Session::take_attention_captures)). Slow and memory-hungry:
     /// for verification on short prompts only.
     pub capture_attention: bool,
 }

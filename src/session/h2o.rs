@@ -80,7 +80,7 @@ impl Session<'_> {
         &self,
         layer: u32,
         head: u32,
-    ) -> Result<crate::research::reference::MemorySet> {
+    ) -> Result<super::MemorySet> {
         let state = self.h2o_state().ok_or(H2oError::Disabled)?;
         self.check_h2o_head(&state, layer, head)?;
         #[allow(unused_mut)] // filled by the FFI call, which stock builds lack
@@ -99,7 +99,7 @@ impl Session<'_> {
             };
             h2o_status(rc, &state, layer, head, 0..0)?;
         }
-        Ok(crate::research::reference::MemorySet { slots })
+        Ok(super::MemorySet { slots })
     }
 
     /// Accumulated attention scores of `layer`, query `head`, for `positions` (F32 values of the

@@ -6,6 +6,7 @@ mod capture;
 mod config;
 mod decode_keys;
 mod h2o;
+mod memory_set;
 mod parallel;
 mod prefix;
 mod state;
@@ -14,6 +15,9 @@ mod state_stream;
 
 pub use config::{FlashAttention, H2oConfig, Selection, SessionConfig};
 pub use h2o::H2oState;
+#[cfg(not(feature = "stock"))]
+pub use memory_set::engine_build_memory_set;
+pub use memory_set::MemorySet;
 pub use parallel::{AbortCheck, ParallelSession, SeqId};
 pub use state::PromptCache;
 pub use state_file::Integrity;

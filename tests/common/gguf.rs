@@ -437,13 +437,13 @@ pub fn f32_to_f16(x: f32) -> u16 {
     sign | (half + round) as u16
 }
 
-/// A small deterministic generator (the library's splitmix64, `h2o_llama::research::eval::Rng`) with
+/// A small deterministic generator (the library's splitmix64, `h2o_research::eval::Rng`) with
 /// normal samples (Box–Muller), so that a model written twice is the same file.
-pub struct Rng(h2o_llama::research::eval::Rng);
+pub struct Rng(h2o_research::eval::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(h2o_llama::research::eval::Rng::new(seed))
+        Rng(h2o_research::eval::Rng::new(seed))
     }
 
     /// A generator for one tensor: the seed mixed with the tensor's name, so that values do not

@@ -108,7 +108,7 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Index of the largest value (the greedy token).
 #[allow(unused_imports)] // not every test binary uses it
-pub use h2o_llama::research::scoring::argmax;
+pub use h2o_research::scoring::argmax;
 
 /// What a session's H2O state holds, as the API shows it, for comparing two sessions.
 #[derive(PartialEq)]

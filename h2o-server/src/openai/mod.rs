@@ -709,7 +709,7 @@ mod tests {
         .unwrap_err();
         assert!(
             e.message
-                .contains("use one of h2o, query, query-mean, hybrid, coverage"),
+                .contains("use one of seed, query, query-mean, hybrid, coverage"),
             "{}",
             e.message
         );

@@ -43,8 +43,8 @@
 //! hold forced positions take part (they compete for the query's weight); only free positions
 //! become candidates.
 //!
-//!   cp docs/results/coverage/coarse-to-fine/coarse_to_fine.rs examples/ &&
-//!   cargo run --release --example coarse_to_fine -- TEXT N LAYERS [MODEL]
+//!   cp docs/results/coverage/coarse-to-fine/coarse_to_fine.rs h2o-research/examples/ &&
+//!   cargo run --release -p h2o-research --example coarse_to_fine -- TEXT N LAYERS [MODEL]
 //!
 //! (LAYERS: comma-separated, or `all` for every layer with full attention, which on a model with
 //! sliding-window layers is its global layers; MODEL: a known model's name such as `gemma3-270m`,
@@ -54,7 +54,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
-use h2o_llama::research::coverage::{capture_dense, ChunkAttention, DenseLayer, StudyConfig};
+use h2o_research::coverage::{capture_dense, ChunkAttention, DenseLayer, StudyConfig};
 use h2o_llama::{default_model, models, Model, ModelParams};
 
 const CHUNK: usize = 1024;

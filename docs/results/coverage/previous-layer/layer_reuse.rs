@@ -17,12 +17,12 @@
 //! Layer a's attention is its exact attention here, so the `prev-*` rows are upper bounds for
 //! a kernel, whose layer a would only have its own estimate.
 //!
-//!   cp docs/results/coverage/previous-layer/layer_reuse.rs examples/ &&
-//!   cargo run --release --example layer_reuse -- TEXT N LAYERS_B
+//!   cp docs/results/coverage/previous-layer/layer_reuse.rs h2o-research/examples/ &&
+//!   cargo run --release -p h2o-research --example layer_reuse -- TEXT N LAYERS_B
 //!
 //! (LAYERS_B: the layers b, comma-separated; each is captured with the layer before it.)
 
-use h2o_llama::research::coverage::{capture_dense, ChunkAttention, DenseLayer, StudyConfig};
+use h2o_research::coverage::{capture_dense, ChunkAttention, DenseLayer, StudyConfig};
 use h2o_llama::{default_model, Model, ModelParams};
 
 const CHUNK: usize = 1024;

@@ -1,12 +1,27 @@
-//! The engine's own memory-set rule (`ggml_h2o_build_memory_set`, the code the CPU kernel and the
-//! KV cache run), callable on plain data, so that tests can hold it against
-//! [`crate::research::reference::build_memory_set`] on inputs no model would produce: ties, all-equal and
-//! extreme scores, odd chunk sizes, L or H of zero.
+//! A memory set as the engine stores it ([`MemorySet`]), and the engine's own rule that builds one
+//! ([`engine_build_memory_set`]: `ggml_h2o_build_memory_set`, the code the CPU kernel and the KV
+//! cache run), callable on plain data, so that tests can hold it against the plain-Rust reference
+//! (`h2o_research::reference::build_memory_set`) on inputs no model would produce: ties,
+//! all-equal and extreme scores, odd chunk sizes, L or H of zero.
 
+#[cfg(not(feature = "stock"))]
 use std::ops::Range;
 
+#[cfg(not(feature = "stock"))]
 use crate::error::{Error, Result};
-use crate::research::reference::MemorySet;
+
+/// A memory set as stored by the engine: `M` slots of ascending positions, unused slots −1.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MemorySet {
+    pub slots: Vec<i32>,
+}
+
+impl MemorySet {
+    /// The positions in use, ascending.
+    pub fn positions(&self) -> impl Iterator<Item = usize> + '_ {
+        self.slots.iter().filter(|&&p| p >= 0).map(|&p| p as usize)
+    }
+}
 
 /// Builds `M_c` after the chunk `chunk` the way the engine does. `scores` holds the BF16 score of
 /// every position (bits, index = position); `previous` is `M_{c-1}` (L + H slots) or `None` for
@@ -16,6 +31,7 @@ use crate::research::reference::MemorySet;
 /// [`Error::InvalidConfig`] when the inputs are not a state the engine can be in: L + H = 0,
 /// the chunk beyond the scores, a previous set of the wrong size or with positions outside
 /// `0..chunk.start` (the engine itself only ever hands it valid ones).
+#[cfg(not(feature = "stock"))]
 pub fn engine_build_memory_set(
     scores: &[u16],
     previous: Option<&MemorySet>,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{log_softmax, Scores, Summary};
-use crate::{Error, H2oConfig, Model, Result, Session, SessionConfig, Token};
+use h2o_llama::{Error, H2oConfig, Model, Result, Session, SessionConfig, Token};
 
 /// What [`decode_tail`] measured.
 #[derive(Debug, Clone, serde::Serialize)]

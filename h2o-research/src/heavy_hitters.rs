@@ -18,7 +18,7 @@
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use crate::{Error, H2oConfig, Model, Result, Selection, Session, SessionConfig, Token};
+use h2o_llama::{Error, H2oConfig, Model, Result, Selection, Session, SessionConfig, Token};
 
 /// Overlap of two ascending sets of positions: |A ∩ B| / |A ∪ B| (1 for two empty sets).
 #[must_use]
@@ -182,13 +182,13 @@ pub enum Progress {
 /// the query-aware policies hold the memory chunk c read, whose window ends where chunk c starts.
 ///
 /// # Errors
-/// [`crate::H2oError::Disabled`] for a session without H2O.
+/// [`h2o_llama::H2oError::Disabled`] for a session without H2O.
 pub fn heavy_sets(session: &Session<'_>, h2o: &H2oConfig) -> Result<Vec<Vec<Vec<usize>>>> {
     let st = session
         .h2o_state()
-        .ok_or(Error::H2o(crate::H2oError::Disabled))?;
+        .ok_or(Error::H2o(h2o_llama::H2oError::Disabled))?;
     let mut end = (st.chunks_done * st.chunk_size) as usize;
-    if h2o.select != Selection::H2o {
+    if h2o.select != Selection::Seed {
         end = end.saturating_sub(st.chunk_size as usize);
     }
     let window = end.saturating_sub(h2o.local as usize)..end;

@@ -2,7 +2,7 @@
 //! full-attention prefill, how much of each query's attention a memory of a given budget covers
 //! (its chunk's own keys plus the chosen far positions), for
 //! - oracles that know the true attention, per chunk, per tile of queries, per query;
-//! - today's policies (the seed rule, `query`, `hybrid`), run by [`crate::research::reference`];
+//! - today's policies (the seed rule, `query`, `hybrid`), run by [`crate::reference`];
 //! - estimators a kernel could afford ([`Strategy`]), each with its cost in multiply-adds
 //!   against full attention's;
 //! - budgets that follow estimated coverage across heads and layers, at the same average.
@@ -13,9 +13,9 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::research::reference::{self, H2oParams, Matrix, Selection};
-use crate::{H2oConfig, Model, Session, SessionConfig, Token};
+use h2o_llama::{Error, Result};
+use crate::reference::{self, H2oParams, Matrix, Selection};
+use h2o_llama::{H2oConfig, Model, Session, SessionConfig, Token};
 
 mod allocate;
 mod attention;
@@ -272,7 +272,7 @@ pub struct Report {
 
 /// Today's policies, run by the reference on the captured layer.
 const POLICIES: [(&str, Selection, usize); 3] = [
-    ("today: seed rule (h2o, sink 0)", Selection::H2o, 0),
+    ("today: seed rule (h2o, sink 0)", Selection::Seed, 0),
     ("today: query (sink)", Selection::Query, usize::MAX),
     (
         "today: hybrid (sink), the default",
@@ -376,7 +376,7 @@ fn study_head(
                 tail_start: None,
             };
             let r = reference::h2o_attention_head(&q, &k, &v, f64::from(layer.scale), &params);
-            if select == Selection::H2o {
+            if select == Selection::Seed {
                 // what earlier chunks drew attention to, for the hybrid estimators
                 seed_scores = r.build_scores;
             }
@@ -437,7 +437,7 @@ fn summarise(
             .flat_map(|(_, r)| r.policies[pi].iter().copied())
             .collect();
         let (mean, p10) = mean_p10(&cov);
-        let cost = if *select == Selection::H2o {
+        let cost = if *select == Selection::Seed {
             0.0
         } else {
             results

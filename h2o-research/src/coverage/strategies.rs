@@ -611,7 +611,7 @@ pub fn rank(
                     let queries: Vec<usize> = if strategy == Strategy::KeyBounds {
                         rows.clone().collect()
                     } else {
-                        crate::research::reference::query_sample(rows.clone())
+                        crate::reference::query_sample(rows.clone())
                     };
                     // as today's estimator: a softmax over the candidate blocks only
                     let candidates = c.sink.min(start)..start.saturating_sub(c.local);

@@ -12,7 +12,7 @@ use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-pub use crate::research::bench::Spread;
+pub use crate::bench::Spread;
 
 const FONT: &str = "sans-serif";
 
@@ -279,7 +279,7 @@ pub fn tradeoff(path: &Path, title: &str, points: &[TradeoffPoint]) -> Result<()
     let color = |label: &str| match label.split(['/', ' ']).next().unwrap_or("") {
         "coverage" => RGBColor(200, 60, 20),
         "hybrid" => RGBColor(30, 110, 200),
-        "h2o" => RGBColor(90, 90, 90),
+        "seed" | "h2o" => RGBColor(90, 90, 90),
         _ => RGBColor(40, 150, 70),
     };
     drawing(

@@ -17,7 +17,7 @@
 //! of 2^-24, so that every backend counts the same.
 
 use super::softmax::{apply_sink, dense_attention, Logits, Matrix};
-use crate::capture::DecodeCapture;
+use h2o_llama::DecodeCapture;
 
 /// Positions per block (`GGML_H2O_DECODE_BLOCK`).
 pub const DECODE_BLOCK: usize = 16;

@@ -4,18 +4,8 @@ use std::ops::Range;
 
 use super::H2oParams;
 
-/// A memory set as stored by the engine: `M` slots of ascending positions, unused slots −1.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct MemorySet {
-    pub slots: Vec<i32>,
-}
-
-impl MemorySet {
-    /// The positions in use, ascending.
-    pub fn positions(&self) -> impl Iterator<Item = usize> + '_ {
-        self.slots.iter().filter(|&&p| p >= 0).map(|&p| p as usize)
-    }
-}
+/// The engine's memory set, which the reference builds as well.
+pub use h2o_llama::MemorySet;
 
 /// Builds `M_c` after a chunk ending at `chunk_end` (seed rule item 5): `Local = [max(end − L, 0), end)`;
 /// `Sink = [0, sink)` minus Local; candidates = (previous memory ∪ this chunk) \ (Local ∪ Sink);

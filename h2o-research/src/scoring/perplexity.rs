@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::{log_softmax, PositionScore, Scores, Summary};
-use crate::{Error, H2oConfig, Model, Result, Session, SessionConfig, Token};
+use h2o_llama::{Error, H2oConfig, Model, Result, Session, SessionConfig, Token};
 
 /// Tokens at the end of a window that [`WindowOptions::far_context`] scores.
 pub const FAR_TAIL: usize = 1024;
@@ -242,7 +242,7 @@ fn time_prefill(
     }
     let mut medians: Vec<f64> = times
         .iter()
-        .map(|t| crate::research::bench::median(t))
+        .map(|t| crate::bench::median(t))
         .collect();
     let full_attention_seconds = medians.remove(0);
     Ok(PrefillTimes {

@@ -372,7 +372,7 @@ fn soft_capped_logits_are_the_logits_of_every_part() {
         scale: 1.0,
         softcap: 5.0,
     };
-    for select in [Selection::H2o, Selection::Hybrid] {
+    for select in [Selection::Seed, Selection::Hybrid] {
         let p = H2oParams {
             chunk: 16,
             local: 4,

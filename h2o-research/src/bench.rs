@@ -6,7 +6,7 @@
 //! for every repetition and prompt length, so that a machine that slows down during the run
 //! slows both alike; medians absorb the rest of the noise.
 
-use crate::H2oConfig;
+use h2o_llama::H2oConfig;
 
 /// The two engines a benchmark compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,11 +196,11 @@ impl Report {
 
     /// Draws prefill tok/s against N for both engines into a PNG.
     #[cfg(feature = "charts")]
-    pub fn draw(&self, png: &std::path::Path) -> crate::research::chart::Result<()> {
-        let points: Vec<crate::research::chart::ThroughputPoint> = self
+    pub fn draw(&self, png: &std::path::Path) -> crate::chart::Result<()> {
+        let points: Vec<crate::chart::ThroughputPoint> = self
             .rows
             .iter()
-            .map(|row| crate::research::chart::ThroughputPoint {
+            .map(|row| crate::chart::ThroughputPoint {
                 n_prompt: row.n_prompt,
                 baseline: Spread::of(&row.baseline.tokens_per_second),
                 h2o: Spread::of(&row.h2o.tokens_per_second),
@@ -218,7 +218,7 @@ impl Report {
             self.h2o.select,
             self.repetitions
         );
-        crate::research::chart::throughput(png, &title, self.baseline_short, &points)
+        crate::chart::throughput(png, &title, self.baseline_short, &points)
     }
 }
 

@@ -18,7 +18,7 @@ mod select;
 mod softmax;
 mod tiles;
 
-pub use crate::session::Selection;
+pub use h2o_llama::Selection;
 pub use decode::{
     bucket_weight, channel_energy, coverage_take, decode_attention, decode_plan, decode_step,
     gap_bucket, sketch_channels, sketch_estimate, sketch_quantize, DecodePlan, DECODE_BLOCK,
@@ -126,7 +126,7 @@ pub fn h2o_attention_head_given_memory(
     let mut attended: Option<MemorySet> = None;
     let mut key_sets = Vec::with_capacity(n);
     let chunks = chunk_bounds(n, params.chunk);
-    let by_query = params.select != Selection::H2o;
+    let by_query = params.select != Selection::Seed;
     let tail_start = params.tail_start.unwrap_or(usize::MAX);
     for (c, chunk) in chunks.iter().enumerate() {
         if c >= 1 && by_query {
