@@ -111,7 +111,7 @@ offload() {
                 echo "== offload prompt $i $placement $cfg" >&2
                 timeout 60 "$cli" -m "$default" -f "$dir/prompt$i.txt" -c 1024 -b 1024 --ubatch-size 128 -n 0 \
                     -t $threads --n-gpu-layers $ngl --h2o-local "${cfg%:*}" --h2o-heavy "${cfg#*:}" \
-                    --h2o-select h2o --h2o-sink 0 --h2o-dense-tail 0 --logits-out "$dir/$i-$placement-$cfg.f32" \
+                    --h2o-select seed --h2o-sink 0 --h2o-dense-tail 0 --logits-out "$dir/$i-$placement-$cfg.f32" \
                     --json > "$dir/$i-$placement-$cfg.json"
             done
         done

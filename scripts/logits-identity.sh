@@ -36,7 +36,7 @@ run() {
                     || { echo "logits-identity.sh: $bin failed on $model $t $name" >&2; exit 1; }
             }
             one full -n 0
-            one seed "${h2o[@]}" -n 0 --h2o-select h2o
+            one seed "${h2o[@]}" -n 0 --h2o-select h2o  # the seed rule by its old name, which every build takes
             one hybrid "${h2o[@]}" -n 0 --h2o-select hybrid
             one coverage "${h2o[@]}" -n 0 --h2o-select coverage
             one coverage-sketch "${h2o[@]}" -n 0 --h2o-select coverage --h2o-tile-sketch 4

@@ -9,7 +9,7 @@
 #
 #   scripts/profile-attention.sh 4096            # -b 4096 -ub 1024 -t 2, L = H = 256
 #   B=1024 scripts/profile-attention.sh 16384
-#   H2O_FLAGS="--h2o-select h2o --h2o-sink 0 --h2o-dense-tail 0" scripts/profile-attention.sh 8192
+#   H2O_FLAGS="--h2o-select seed --h2o-sink 0 --h2o-dense-tail 0" scripts/profile-attention.sh 8192
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n="${1:?usage: scripts/profile-attention.sh N_TOKENS}"

@@ -44,7 +44,7 @@ void llama_h2o_cparams_init(llama_cparams & cparams, const llama_context_params 
             throw std::runtime_error(format("H2O: each sequence needs its own KV stream for its H2O state, but the n_seq_max = %u "
                         "sequences share a unified cache: set kv_unified = false", cparams.n_seq_max));
         }
-        if (params.h2o_select < LLAMA_H2O_SELECT_H2O || params.h2o_select > LLAMA_H2O_SELECT_COVERAGE) {
+        if (params.h2o_select < LLAMA_H2O_SELECT_SEED || params.h2o_select > LLAMA_H2O_SELECT_COVERAGE) {
             throw std::runtime_error(format("H2O: unknown h2o_select = %d: use one of enum llama_h2o_select", (int) params.h2o_select));
         }
         if (!(params.h2o_coverage > 0.0f && params.h2o_coverage <= 1.0f)) {
@@ -92,7 +92,7 @@ void llama_h2o_cparams_init(llama_cparams & cparams, const llama_context_params 
         if (params.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT || params.ctx_other != nullptr) {
             throw std::runtime_error("H2O: sparse prefill needs a default context that owns its memory");
         }
-    } else if (params.h2o_sink != 0 || params.h2o_dense_tail != 0 || params.h2o_select != LLAMA_H2O_SELECT_H2O || params.h2o_undo_log ||
+    } else if (params.h2o_sink != 0 || params.h2o_dense_tail != 0 || params.h2o_select != LLAMA_H2O_SELECT_SEED || params.h2o_undo_log ||
                params.h2o_coverage != 1.0f || params.h2o_tile_samples != 4 || params.h2o_tile_sketch != 1 ||
                params.h2o_decode_budget != 0 || params.h2o_decode_coverage != 1.0f) {
         throw std::runtime_error("H2O: h2o_select, h2o_sink, h2o_dense_tail, h2o_coverage, h2o_tile_samples, h2o_tile_sketch, "

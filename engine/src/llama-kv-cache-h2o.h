@@ -63,7 +63,7 @@ public:
     // state_read: n_stream_cur is the first word of the state; reads the H2O header when it is the magic (then the
     // real n_stream_cur), and throws when the state and this cache do not agree about H2O
     struct selection {
-        llama_h2o_select select       = LLAMA_H2O_SELECT_H2O;
+        llama_h2o_select select       = LLAMA_H2O_SELECT_SEED;
         uint32_t         n_sink       = 0;
         uint32_t         n_dense_tail = 0;
     };
@@ -249,7 +249,7 @@ private:
     const uint32_t memory_size  = 0; // M = L + H, < n_ubatch
 
     // the selection a stream starts with (set_select)
-    llama_h2o_select select_rule     = LLAMA_H2O_SELECT_H2O;
+    llama_h2o_select select_rule     = LLAMA_H2O_SELECT_SEED;
     uint32_t         sink_size       = 0; // <= H
     uint32_t         dense_tail_size = 0;
     float            coverage_target = 1.0f;
@@ -301,7 +301,7 @@ private:
         bool memory_initialized = false;
 
         // memory selection of this sequence
-        llama_h2o_select select       = LLAMA_H2O_SELECT_H2O;
+        llama_h2o_select select       = LLAMA_H2O_SELECT_SEED;
         uint32_t         n_sink       = 0;
         uint32_t         n_dense_tail = 0;
 

@@ -204,7 +204,7 @@ fn chat_completions_and_completion_answer_in_their_shapes() {
         &json!({"prompt": prompt, "n_predict": 4, "h2o_select": "h2o", "h2o_sink": 0}),
     );
     assert_eq!(status, 200, "{seed_rule}");
-    assert_eq!(seed_rule["timings"]["h2o_policy"], "h2o");
+    assert_eq!(seed_rule["timings"]["h2o_policy"], "seed");
 
     // a conversation's next turn finds its slot and evaluates only what is new: the chunks
     // before the first turn's dense tail are kept

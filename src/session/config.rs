@@ -54,7 +54,7 @@ impl Selection {
     #[cfg(not(feature = "stock"))]
     pub(crate) fn to_sys(self) -> crate::sys::llama_h2o_select {
         match self {
-            Selection::Seed => crate::sys::LLAMA_H2O_SELECT_H2O,
+            Selection::Seed => crate::sys::LLAMA_H2O_SELECT_SEED,
             Selection::Query => crate::sys::LLAMA_H2O_SELECT_QUERY,
             Selection::QueryMean => crate::sys::LLAMA_H2O_SELECT_QUERY_MEAN,
             Selection::Hybrid => crate::sys::LLAMA_H2O_SELECT_HYBRID,

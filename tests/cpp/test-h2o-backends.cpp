@@ -127,7 +127,7 @@ struct call_result {
 // one op call: queries of positions [p0, p0 + n) against the state
 call_result run_call(ggml_backend_t backend, state & st, const shape & sh, const std::vector<float> & q_all,
         int32_t p0, int32_t n, int32_t mem_chunk, int32_t acc_chunk,
-        ggml_h2o_select select = GGML_H2O_SELECT_H2O, int32_t n_sink = 0, int32_t tail_start = INT32_MAX,
+        ggml_h2o_select select = GGML_H2O_SELECT_SEED, int32_t n_sink = 0, int32_t tail_start = INT32_MAX,
         float coverage = 1.0f, int32_t n_sample = 4, logit_opts lo = {}, int32_t sketch = 1) {
     ggml_init_params ip = { 4*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc=*/ true };
     ggml_context * ctx = ggml_init(ip);
@@ -258,7 +258,7 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
         int32_t         n_sink;
         int32_t         tail_start;
     } policies[] = {
-        { "one call, seed rule with 4 sinks",                    GGML_H2O_SELECT_H2O,        4, INT32_MAX },
+        { "one call, seed rule with 4 sinks",                    GGML_H2O_SELECT_SEED,        4, INT32_MAX },
         { "one call, query-aware (bounds), 4 sinks, tail of 24", GGML_H2O_SELECT_QUERY,      4, 3*S + 16  },
         { "one call, query-aware (means), tail of 60",           GGML_H2O_SELECT_QUERY_MEAN, 0, 3*S - 20  },
         { "one call, hybrid, 4 sinks, tail of 24",               GGML_H2O_SELECT_HYBRID,     4, 3*S + 16  },
@@ -375,10 +375,10 @@ void run_logit_and_cache_cases(ggml_backend_t cpu, ggml_backend_t other, const c
         ggml_type       type_k;
         ggml_type       type_v;
     } cases[] = {
-        { "one call, seed rule, soft-cap 1",                        GGML_H2O_SELECT_H2O,      INT32_MAX, { 1.0f, nullptr }, GGML_TYPE_F16,  GGML_TYPE_F16  },
+        { "one call, seed rule, soft-cap 1",                        GGML_H2O_SELECT_SEED,      INT32_MAX, { 1.0f, nullptr }, GGML_TYPE_F16,  GGML_TYPE_F16  },
         { "one call, hybrid, learned sinks, tail of 24",            GGML_H2O_SELECT_HYBRID,   3*S + 16,  { 0.0f, &sinks  }, GGML_TYPE_F16,  GGML_TYPE_F16  },
         { "one call, coverage, soft-cap 1 and sinks, tail of 24",   GGML_H2O_SELECT_COVERAGE, 3*S + 16,  { 1.0f, &sinks  }, GGML_TYPE_F16,  GGML_TYPE_F16  },
-        { "one call, seed rule, q8_0 K/V, tail of 24",              GGML_H2O_SELECT_H2O,      3*S + 16,  { 0.0f, nullptr }, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0 },
+        { "one call, seed rule, q8_0 K/V, tail of 24",              GGML_H2O_SELECT_SEED,      3*S + 16,  { 0.0f, nullptr }, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0 },
         { "one call, coverage, BF16 K/V",                           GGML_H2O_SELECT_COVERAGE, INT32_MAX, { 0.0f, nullptr }, GGML_TYPE_BF16, GGML_TYPE_BF16 },
         { "one call, hybrid, q4_0 K, q8_0 V, sinks",                GGML_H2O_SELECT_HYBRID,   INT32_MAX, { 0.0f, &sinks  }, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0 },
     };
@@ -409,7 +409,7 @@ void check_coverage_refusal(ggml_backend_t gpu, const char * name) {
     ggml_tensor * op     = ggml_h2o_attn(ctx, q, k, v, scores, mem, acc, 0, S, L, H, -1, -1, 0.125f);
     ggml_h2o_attn_set_select(op, GGML_H2O_SELECT_COVERAGE, 0, INT32_MAX);
     const bool coverage = ggml_backend_supports_op(gpu, op);
-    ggml_h2o_attn_set_select(op, GGML_H2O_SELECT_H2O, 0, INT32_MAX);
+    ggml_h2o_attn_set_select(op, GGML_H2O_SELECT_SEED, 0, INT32_MAX);
     const bool seed = ggml_backend_supports_op(gpu, op);
     CHECK(!coverage, "%s accepts coverage selection with H = %d, beyond what its kernels serve", name, H);
     CHECK(seed, "%s refuses the seed rule with H = %d", name, H);

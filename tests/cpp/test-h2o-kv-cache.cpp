@@ -1126,7 +1126,7 @@ static void test_multi_seq(llama_model * model) {
         CHECK(llama_h2o_set_seq_select(ctx, 2, LLAMA_H2O_SELECT_HYBRID, 4, 8) == LLAMA_H2O_STATUS_OK, "set the policy of seq 2");
         CHECK(decode_at(ctx, a, 0, 2) == 0, "decode A into seq 2 with the hybrid");
         const auto hybrid = last_logits(ctx);
-        CHECK(seq_info(ctx, 2)[3] == LLAMA_H2O_SELECT_HYBRID && seq_info(ctx, 1)[3] == LLAMA_H2O_SELECT_H2O, "policies per sequence");
+        CHECK(seq_info(ctx, 2)[3] == LLAMA_H2O_SELECT_HYBRID && seq_info(ctx, 1)[3] == LLAMA_H2O_SELECT_SEED, "policies per sequence");
 
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = 1024; cp.n_batch = 512; cp.n_ubatch = 128; cp.n_seq_max = 1;
@@ -1139,7 +1139,7 @@ static void test_multi_seq(llama_model * model) {
         llama_free(one);
 
         llama_memory_seq_rm(llama_get_memory(ctx), 2, -1, -1);
-        CHECK(seq_info(ctx, 2)[3] == LLAMA_H2O_SELECT_H2O, "an emptied sequence keeps its policy");
+        CHECK(seq_info(ctx, 2)[3] == LLAMA_H2O_SELECT_SEED, "an emptied sequence keeps its policy");
     }
 
     // a cut inside one sequence's prompt is refused and leaves the other sequences alone

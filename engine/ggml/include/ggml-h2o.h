@@ -48,7 +48,7 @@ extern "C" {
     // How an H2O chunk chooses the n_heavy part of its memory (the last n_local positions are always in it)
     enum ggml_h2o_select {
         // the seed rule: after chunk c, the positions with the highest accumulated attention of earlier queries
-        GGML_H2O_SELECT_H2O        = 0,
+        GGML_H2O_SELECT_SEED       = 0,
         // chunk c picks blocks of GGML_H2O_BLOCK positions by how strongly its own queries may attend to them:
         // each key block is summarised per channel by its minimum and maximum, which bound q.k from above
         GGML_H2O_SELECT_QUERY      = 1,
@@ -99,7 +99,7 @@ extern "C" {
     #define GGML_H2O_BUDGET_STEP      32
     #define GGML_H2O_MAX_HEAVY_FACTOR 4
 
-    // Memory selection of an H2O attention op (default: GGML_H2O_SELECT_H2O, no sink, no dense tail):
+    // Memory selection of an H2O attention op (default: GGML_H2O_SELECT_SEED, no sink, no dense tail):
     //   n_sink:     positions 0 .. n_sink - 1 are always in the memory set, inside the n_heavy budget
     //   tail_start: queries at positions >= tail_start attend to every earlier position (full attention,
     //               no score updates); INT32_MAX for none
