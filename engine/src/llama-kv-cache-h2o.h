@@ -29,6 +29,14 @@ static constexpr uint32_t LLAMA_H2O_STATE_VERSION = 4; // 2: with prompt_end, 3:
 //
 // H2O chunked sparse prefill (swa_type == LLAMA_SWA_TYPE_H2O)
 //
+// The prompt is split into chunks of n_ubatch positions. After chunk c, every layer and query head keeps a memory set
+// M_c of L + H earlier positions: the last L positions, and the H heavy hitters with the highest accumulated attention
+// score among M_{c-1} and chunk c. Chunk c + 1 attends to its own keys and to M_c.
+//
+// In H2O mode the cache is position-addressed: the token at position p lives in cell p, so a memory index is both a
+// position and a row of K and V. Scores are per query head (heads that share a KV head under GQA still select
+// independently).
+//
 class llama_kv_cache_h2o {
 public:
     // L, H and S of the cache kv (all 0: H2O off); kv is only stored here, not read
@@ -88,14 +96,6 @@ public:
 
     // the context's settings for every stream: selection, undo log, coverage and sparse decode (see below)
     void configure(const llama_cparams & cparams);
-    // The prompt is split into chunks of n_ubatch positions. After chunk c, every layer and query head keeps a
-    // memory set M_c of L + H earlier positions: the last L positions, and the H heavy hitters with the highest
-    // accumulated attention score among M_{c-1} and chunk c. Chunk c + 1 attends to its own keys and to M_c.
-    //
-    // In H2O mode the cache is position-addressed: the token at position p lives in cell p, so a memory index is
-    // both a position and a row of K and V. Scores are per query head (heads that share a KV head under GQA still
-    // select independently).
-    //
 
     // chunk bookkeeping of the sequence held by a stream
     struct chunk_state {
