@@ -32,11 +32,11 @@ mod common;
 
 use std::collections::BTreeSet;
 
+use h2o_llama::{AttentionCapture, CacheType, H2oConfig, Model, Selection, Session, SessionConfig};
 use h2o_research::reference::{
     apply_sink, h2o_attention_coverage, h2o_attention_head_given_memory, CoverageParams, H2oParams,
     Logits, Matrix, MemorySet,
 };
-use h2o_llama::{AttentionCapture, CacheType, H2oConfig, Model, Selection, Session, SessionConfig};
 
 const S: usize = 128;
 const L: usize = 32;

@@ -6,8 +6,8 @@
 #![cfg(not(feature = "stock"))]
 
 use h2o_llama::engine_build_memory_set;
-use h2o_research::reference::{build_memory_set, H2oParams, MemorySet};
 use h2o_llama::Error;
+use h2o_research::reference::{build_memory_set, H2oParams, MemorySet};
 
 /// A small deterministic generator (SplitMix64), so that a failure names a reproducible trial.
 struct Rng(u64);

@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
+use h2o_llama::{default_model, models, H2oConfig};
 use h2o_research::bench::{self, Engine, Measurement, Point, Report, Run};
 use h2o_research::chart;
-use h2o_llama::{default_model, models, H2oConfig};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {

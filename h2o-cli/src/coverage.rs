@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oMemory};
-use h2o_research::coverage::{self, Report, StudyConfig};
 use h2o_llama::{H2oConfig, Token};
+use h2o_research::coverage::{self, Report, StudyConfig};
 
 #[derive(clap::Args, Debug)]
 pub struct CoverageArgs {

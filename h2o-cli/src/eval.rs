@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
-use h2o_research::eval::{self, Contender, Task};
 use h2o_llama::{H2oConfig, SessionConfig};
+use h2o_research::eval::{self, Contender, Task};
 
 /// Context beyond a prompt's nominal length: its last sentence may run over, and the answer
 /// follows it.
@@ -225,13 +225,7 @@ fn draw_heatmaps(
             c.name,
             args.engine.ubatch_size(true)
         );
-        h2o_research::chart::accuracy_heatmap(
-            &file,
-            &title,
-            &args.depths,
-            &args.lengths,
-            &cells,
-        )?;
+        h2o_research::chart::accuracy_heatmap(&file, &title, &args.depths, &args.lengths, &cells)?;
         if !args.json {
             eprintln!("h2o-cli eval: heatmap written to {}", file.display());
         }

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use h2o_flags::{EngineFlag, EngineFlags, H2oFlags};
-use h2o_research::heavy_hitters::{self, Progress, Report, StudyConfig};
 use h2o_llama::{demo, Token};
+use h2o_research::heavy_hitters::{self, Progress, Report, StudyConfig};
 
 #[derive(clap::Args, Debug)]
 pub struct HeavyHittersArgs {

@@ -15,12 +15,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use h2o_flags::{EngineFlags, H2oFlags};
+use h2o_llama::{CacheType, H2oConfig, Model, SessionConfig};
 use h2o_research::scoring::decode_tail;
 use h2o_research::scoring::perplexity::{
     self, FarContext, PrefillTimes, ShapeScores, WindowOptions, FAR_TAIL,
 };
 use h2o_research::scoring::Summary;
-use h2o_llama::{CacheType, H2oConfig, Model, SessionConfig};
 
 #[derive(clap::Args, Debug)]
 pub struct PerplexityArgs {

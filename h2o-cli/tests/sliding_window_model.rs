@@ -14,8 +14,8 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use h2o_research::reference::{build_memory_set, H2oParams, MemorySet};
 use h2o_llama::{ChatMessage, H2oConfig, Session, SessionConfig, Token};
+use h2o_research::reference::{build_memory_set, H2oParams, MemorySet};
 
 fn config(h2o: H2oConfig) -> SessionConfig {
     SessionConfig {

@@ -106,7 +106,12 @@ pub struct H2oPolicy {
     /// H2O coverage policy: a tile takes no more budget once its memory covers this share of
     /// its estimated attention, in (0, 1] (1: the whole budget -L + -H on average)
     // hidden: a research knob; its default spends the whole budget, which every measured target uses
-    #[arg(long = "h2o-coverage", value_name = "GAMMA", default_value_t = 1.0, hide = true)]
+    #[arg(
+        long = "h2o-coverage",
+        value_name = "GAMMA",
+        default_value_t = 1.0,
+        hide = true
+    )]
     pub coverage: f32,
     /// H2O coverage policy: queries of each tile of 64 that attend to every position before the
     /// chunk to choose its memory (1, 2, 4, 8, 16, 32 or 64; more choose better and cost more)

@@ -19,9 +19,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use h2o_llama::{Error, Result};
+use h2o_llama::{H2oConfig, Session, SessionConfig};
 use h2o_llama::{Model, Token};
 use h2o_llama::{Sampler, SamplerConfig};
-use h2o_llama::{H2oConfig, Session, SessionConfig};
 
 /// A task family of the suite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]

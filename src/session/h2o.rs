@@ -76,11 +76,7 @@ impl Session<'_> {
     ///
     /// # Errors
     /// [`Error::H2o`](crate::Error::H2o): no H2O state, or `layer`/`head` out of range.
-    pub fn h2o_memory_set(
-        &self,
-        layer: u32,
-        head: u32,
-    ) -> Result<super::MemorySet> {
+    pub fn h2o_memory_set(&self, layer: u32, head: u32) -> Result<super::MemorySet> {
         let state = self.h2o_state().ok_or(H2oError::Disabled)?;
         self.check_h2o_head(&state, layer, head)?;
         #[allow(unused_mut)] // filled by the FFI call, which stock builds lack

@@ -411,23 +411,27 @@ impl<'m> ParallelSession<'m> {
     /// Gives sequence `seq` the decode budget of `h2o` in llama.cpp (its own, or the context's
     /// where they agree), then books `h2o` as the sequence's.
     fn set_decode_budget(&mut self, seq: SeqId, h2o: Option<H2oConfig>) -> Result<()> {
-        let context = self.config.h2o.map_or(0, |h| h.decode_budget);
+        // a stock build has no sparse decode to set
         #[cfg(not(feature = "stock"))]
-        if context > 0 {
-            let own = h2o.map_or(context, |h| h.decode_budget);
-            // 0 is full attention: a budget that covers the sequence's context
-            let n_budget = match own {
-                o if o == context => -1,
-                0 => i32::try_from(self.n_ctx_seq).unwrap_or(i32::MAX),
-                o => i32::try_from(o).unwrap_or(i32::MAX),
-            };
-            // SAFETY: valid context; llama.cpp checks every argument.
-            let rc =
-                unsafe { sys::llama_h2o_set_seq_decode(self.ctx.as_ptr(), seq as i32, n_budget) };
-            if rc != sys::LLAMA_H2O_STATUS_OK {
-                return Err(Error::InvalidConfig(format!(
-                    "llama.cpp refused the sparse decode budget {own} for sequence {seq} (status {rc})"
-                )));
+        {
+            let context = self.config.h2o.map_or(0, |h| h.decode_budget);
+            if context > 0 {
+                let own = h2o.map_or(context, |h| h.decode_budget);
+                // 0 is full attention: a budget that covers the sequence's context
+                let n_budget = match own {
+                    o if o == context => -1,
+                    0 => i32::try_from(self.n_ctx_seq).unwrap_or(i32::MAX),
+                    o => i32::try_from(o).unwrap_or(i32::MAX),
+                };
+                // SAFETY: valid context; llama.cpp checks every argument.
+                let rc = unsafe {
+                    sys::llama_h2o_set_seq_decode(self.ctx.as_ptr(), seq as i32, n_budget)
+                };
+                if rc != sys::LLAMA_H2O_STATUS_OK {
+                    return Err(Error::InvalidConfig(format!(
+                        "llama.cpp refused the sparse decode budget {own} for sequence {seq} (status {rc})"
+                    )));
+                }
             }
         }
         self.seqs[seq as usize].h2o = h2o;

@@ -13,8 +13,8 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use h2o_llama::{Error, Result};
 use crate::reference::{self, H2oParams, Matrix, Selection};
+use h2o_llama::{Error, Result};
 use h2o_llama::{H2oConfig, Model, Session, SessionConfig, Token};
 
 mod allocate;

@@ -18,11 +18,11 @@ mod select;
 mod softmax;
 mod tiles;
 
-pub use h2o_llama::Selection;
 pub use decode::{
     bucket_weight, channel_energy, coverage_take, decode_attention, decode_plan, decode_step,
     gap_bucket, sketch_channels, sketch_estimate, sketch_quantize, DecodePlan, DECODE_BLOCK,
 };
+pub use h2o_llama::Selection;
 pub use memory::{build_memory_set, MemorySet};
 pub use select::{
     query_sample, select_by_query, QuerySelection, SAMPLE_LAST, SAMPLE_STRIDE, SELECT_BLOCK,

@@ -240,10 +240,7 @@ fn time_prefill(
             times[k + 1].push(once(s)?);
         }
     }
-    let mut medians: Vec<f64> = times
-        .iter()
-        .map(|t| crate::bench::median(t))
-        .collect();
+    let mut medians: Vec<f64> = times.iter().map(|t| crate::bench::median(t)).collect();
     let full_attention_seconds = medians.remove(0);
     Ok(PrefillTimes {
         reps,
