@@ -20,6 +20,7 @@ const BINDING_HEADERS: &[&str] = &[
     "ggml/include/ggml-cpu.h",
     "ggml/include/ggml-opt.h",
     "ggml/include/ggml-alloc.h",
+    "ggml/include/ggml-rpc.h",
 ];
 
 /// The H2O ops (engine/ggml/include/ggml-h2o.h, included by ggml.h), H2O's part of llama's C API
@@ -84,7 +85,11 @@ pub fn provide_bindings(manifest_dir: &Path, tree: &Path, out_dir: &Path, stock:
 fn generate_bindings(tree: &Path, digest: &str, stock: bool) -> String {
     let mut builder =
         bindgen::Builder::default().header(tree.join("include/llama.h").to_string_lossy());
-    for rel in headers(stock).iter().filter(|h| h.starts_with("common/")) {
+    // llama.h includes the other ggml headers; ggml-rpc.h and common/'s are headers of their own
+    for rel in headers(stock)
+        .iter()
+        .filter(|h| h.starts_with("common/") || h.ends_with("ggml-rpc.h"))
+    {
         builder = builder.header(tree.join(rel).to_string_lossy());
     }
     let bindings = builder
@@ -96,6 +101,7 @@ fn generate_bindings(tree: &Path, digest: &str, stock: bool) -> String {
         .allowlist_function("ggml_.*")
         .allowlist_type("ggml_.*")
         .allowlist_var("GGML_.*")
+        .allowlist_var("RPC_PROTO_.*")
         .allowlist_function("json_schema_to_grammar_c.*")
         .allowlist_function("common_chat_c_.*")
         .prepend_enum_name(false)

@@ -61,6 +61,10 @@ pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
                 "-DCMAKE_BUILD_TYPE=Release",
                 "-DBUILD_SHARED_LIBS=OFF",
                 "-DGGML_CUDA=ON",
+                // layers on other machines (`--rpc`), over TCP only (RDMA would need its
+                // library linked here too)
+                "-DGGML_RPC=ON",
+                "-DGGML_RPC_RDMA=OFF",
                 "-DGGML_AMX_TILE=OFF",
                 "-DGGML_AMX_INT8=OFF",
                 "-DGGML_AMX_BF16=OFF",
@@ -85,13 +89,20 @@ pub fn build_with_cmake(tree: &Path, out_dir: &Path) {
             .args(["--config", "Release", "-j", &jobs]),
         "build",
     );
-    for dir in ["src", "ggml/src", "ggml/src/ggml-cuda"] {
+    for dir in ["src", "ggml/src", "ggml/src/ggml-cuda", "ggml/src/ggml-rpc"] {
         println!(
             "cargo:rustc-link-search=native={}",
             build.join(dir).display()
         );
     }
-    for lib in ["llama", "ggml", "ggml-cpu", "ggml-cuda", "ggml-base"] {
+    for lib in [
+        "llama",
+        "ggml",
+        "ggml-cpu",
+        "ggml-cuda",
+        "ggml-rpc",
+        "ggml-base",
+    ] {
         println!("cargo:rustc-link-lib=static={lib}");
     }
     if env::var_os("CARGO_FEATURE_STOCK").is_none() {

@@ -114,6 +114,15 @@ const UNITS: &[Group] = &[
         headers: "ggml",
         patched_only: false,
     },
+    // ggml/src/ggml-rpc/CMakeLists.txt (TCP only): layers on other machines' ggml backends
+    // (`--rpc`), and the server side of h2o-rpc-server
+    Group {
+        dir: "ggml/src/ggml-rpc",
+        arch: &[],
+        sources: Sources::Listed(&["ggml-rpc.cpp", "transport.cpp"]),
+        headers: "ggml",
+        patched_only: false,
+    },
     // ggml/src/ggml-cpu/CMakeLists.txt
     Group {
         dir: "ggml/src/ggml-cpu",
@@ -370,6 +379,7 @@ fn common_flags(
         "GGML_USE_CPU_REPACK",
         "GGML_USE_LLAMAFILE",
         "GGML_USE_OPENMP",
+        "GGML_USE_RPC",
         "GGML_SCHED_MAX_COPIES=4",
         "_GNU_SOURCE",
         "_XOPEN_SOURCE=600",

@@ -34,12 +34,13 @@ pub fn init() {
     });
 }
 
-/// Whether this build of llama.cpp can run layers on a GPU (a CUDA build that found a device):
-/// where it cannot, `-ngl` (`ModelParams::n_gpu_layers`) leaves every layer on the CPU.
+/// Whether this build of llama.cpp can run layers on a local GPU (a CUDA build that found a
+/// device): where it cannot, `-ngl` (`ModelParams::n_gpu_layers`) leaves every layer on the CPU
+/// unless RPC servers take them (`ModelParams::rpc_servers`). llama.cpp's
+/// `llama_supports_gpu_offload` also says yes for any build with the RPC backend, which every
+/// build here has.
 pub fn gpu_offload_supported() -> bool {
-    init();
-    // SAFETY: a query of the registered backends, which init() has set up.
-    unsafe { sys::llama_supports_gpu_offload() }
+    !crate::rpc::local_gpu_devices().is_empty()
 }
 
 /// Echo llama.cpp's own log lines to stderr (default off unless `H2O_LLAMA_LOG=1`).

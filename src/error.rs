@@ -70,6 +70,9 @@ pub enum Error {
     #[error("model file not found: {path} (pass an existing GGUF file with -m, or omit -m to use the default model)")]
     ModelNotFound { path: PathBuf },
 
+    #[error("RPC server {server}: {reason}")]
+    Rpc { server: String, reason: String },
+
     #[error("cannot read model file {path}: {source}")]
     ModelUnreadable {
         path: PathBuf,

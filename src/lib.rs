@@ -40,6 +40,7 @@ pub mod fuzzing;
 pub mod grammars;
 mod model;
 pub mod models;
+pub mod rpc;
 mod sampler;
 mod session;
 

@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 
 use crate::cache_type::CacheType;
 use crate::error::{Error, Result};
-use crate::{backend, sys};
+use crate::{backend, rpc, sys};
 
 /// A token id of the model's vocabulary.
 pub type Token = i32;
@@ -28,8 +28,15 @@ pub struct FimTokens {
 /// How to load a model.
 #[derive(Debug, Clone, Default)]
 pub struct ModelParams {
-    /// Layers to offload to a GPU (`-ngl`); 0 keeps everything on the CPU.
+    /// Layers to offload to a GPU or the RPC servers (`-ngl`); 0 keeps everything on the CPU.
     pub n_gpu_layers: i32,
+    /// RPC servers (`--rpc HOST:PORT,...`, h2o-rpc-server) whose devices take the offloaded
+    /// layers, before the local GPUs, split in proportion to their free memory; each is checked
+    /// (it answers, it speaks this build's protocol) before llama.cpp connects to it.
+    pub rpc_servers: Vec<String>,
+    /// Keep the weights in the CPU's plain buffers (`--no-repack`): no repacking into the
+    /// layouts of the CPU's faster matmul kernels, as an RPC server's CPU device keeps them.
+    pub no_repack: bool,
 }
 
 /// A model loaded by llama.cpp. Owns the `llama_model`; freed on drop.
@@ -121,9 +128,21 @@ impl Model {
         // SAFETY: default params are plain data; we only set scalar fields.
         let mut mp = unsafe { sys::llama_model_default_params() };
         mp.n_gpu_layers = params.n_gpu_layers;
+        mp.use_extra_bufts = !params.no_repack;
+        // with RPC servers, the devices llama.cpp would choose by itself were they registered:
+        // the servers' first, then the local GPUs (a NULL-terminated list, copied by the load)
+        let mut devices = Vec::new();
+        if !params.rpc_servers.is_empty() {
+            devices = rpc::devices(&params.rpc_servers)?;
+            devices.extend(rpc::local_gpu_devices());
+            devices.push(std::ptr::null_mut());
+            mp.devices = devices.as_mut_ptr();
+        }
         backend::clear_recent_log();
-        // SAFETY: c_path outlives the call; the returned pointer is owned by `Model`.
+        // SAFETY: c_path and `devices` outlive the call; the returned pointer is owned by
+        // `Model`.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
+        drop(devices);
         let ptr = NonNull::new(raw).ok_or_else(|| Error::ModelLoad {
             path: path.to_path_buf(),
             reason: backend::recent_log_reason(),

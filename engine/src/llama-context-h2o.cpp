@@ -116,6 +116,19 @@ void llama_h2o_cparams_log(const llama_cparams & cparams) {
     LLAMA_LOG_INFO("%s: h2o_undo_log          = %s\n",   "llama_context", cparams.h2o_undo_log ? "true" : "false");
 }
 
+// Whether backend runs node where the answer is not local: an RPC backend's supports_op says yes to every op
+// without asking its server, so its registry offers a call that asks (found by name, so that no build needs
+// ggml-rpc); every other backend answered when the scheduler placed the op.
+static bool llama_h2o_remote_supports_op(ggml_backend_t backend, const ggml_tensor * node) {
+    using supports_op_remote_t = bool (*)(ggml_backend_dev_t, const ggml_tensor *);
+
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    auto supports_op_remote = reg ? (supports_op_remote_t) ggml_backend_reg_get_proc_address(reg,
+            "ggml_backend_rpc_device_supports_op_remote") : nullptr;
+    return supports_op_remote == nullptr || supports_op_remote(dev, node);
+}
+
 bool llama_h2o_check_placement(ggml_backend_sched_t sched, ggml_cgraph * gf, bool log) {
     std::vector<std::pair<ggml_backend_t, int>> n_per_backend;
     int n_ops = 0;
@@ -127,6 +140,15 @@ bool llama_h2o_check_placement(ggml_backend_sched_t sched, ggml_cgraph * gf, boo
         ggml_backend_t backend = ggml_backend_sched_get_tensor_backend(sched, node);
         if (backend == nullptr) {
             LLAMA_LOG_ERROR("%s: H2O: the scheduler assigned no backend to %s\n", __func__, node->name);
+            return false;
+        }
+        if (!llama_h2o_remote_supports_op(backend, node)) {
+            ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+            LLAMA_LOG_ERROR("%s: H2O: %s (%s) holds the state of %s but its server cannot run it with h2o_select = %d: "
+                    "that server's H2O kernels do not implement that memory selection, or it runs another build. Choose "
+                    "another h2o_select, or keep those layers local (n_gpu_layers)\n", __func__, ggml_backend_name(backend),
+                    dev ? ggml_backend_dev_description(dev) : "?", node->name,
+                    node->op == GGML_OP_H2O_ATTN ? ((const int32_t *) node->op_params)[GGML_H2O_ATTN_SELECT] : -1);
             return false;
         }
         // a backend that holds the state but cannot run the op as configured (its kernels lack the op's memory

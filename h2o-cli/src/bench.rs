@@ -201,6 +201,12 @@ fn measure(
         .args(["--cache-type-k", args.engine.cache_type_k.name()])
         .args(["--cache-type-v", args.engine.cache_type_v.name()])
         .args(["-n", "0", "--temp", "0", "--json"]);
+    if let Some(rpc) = &args.engine.rpc {
+        cmd.args(["--rpc", &rpc.0.join(",")]);
+    }
+    if args.engine.no_repack {
+        cmd.arg("--no-repack");
+    }
     if run.engine == Engine::H2o {
         cmd.args(args.h2o.args(h2o));
     } else if args.stock_cli.is_none() {

@@ -34,6 +34,13 @@ pub struct EngineFlags {
     /// Layers to offload to the GPU (-ngl), with a CUDA build
     #[arg(long = "n-gpu-layers", value_name = "N", default_value_t = 0)]
     pub n_gpu_layers: i32,
+    /// RPC servers for the offloaded layers (--rpc HOST:PORT,...): h2o-rpc-server on other
+    /// machines; with -ngl, their devices take the layers before the local GPUs
+    #[arg(long = "rpc", value_name = "SERVERS", value_parser = parse_rpc_servers)]
+    pub rpc: Option<RpcServers>,
+    /// Keep the weights in the CPU's plain layout (--no-repack), as an RPC server keeps them
+    #[arg(long = "no-repack")]
+    pub no_repack: bool,
     /// Flash attention (-fa): on, off or auto
     #[arg(long = "flash-attn", value_name = "on|off|auto", default_value_t = FlashAttention::Auto)]
     pub flash_attn: FlashAttention,
@@ -95,16 +102,19 @@ impl EngineFlags {
             .unwrap_or_else(|| SessionConfig::default().n_threads)
     }
 
-    /// Whether the flags put layers on a GPU: `-ngl` other than 0 in a build that can (where
-    /// it cannot, llama.cpp keeps every layer on the CPU).
+    /// Whether the flags put layers off this machine's CPU: `-ngl` other than 0 with RPC servers
+    /// (`--rpc`) or in a build that has a GPU (without either, llama.cpp keeps every layer on
+    /// the CPU).
     pub fn layers_on_gpu(&self) -> bool {
-        self.n_gpu_layers != 0 && h2o_llama::gpu_offload_supported()
+        self.n_gpu_layers != 0 && (self.rpc.is_some() || h2o_llama::gpu_offload_supported())
     }
 
     /// The model's load parameters the flags give.
     pub fn model_params(&self) -> ModelParams {
         ModelParams {
             n_gpu_layers: self.n_gpu_layers,
+            rpc_servers: self.rpc.clone().map(|r| r.0).unwrap_or_default(),
+            no_repack: self.no_repack,
         }
     }
 
@@ -159,6 +169,16 @@ impl EngineFlags {
     }
 }
 
+/// `--rpc`'s value: the servers of `HOST:PORT[,HOST:PORT...]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RpcServers(pub Vec<String>);
+
+fn parse_rpc_servers(s: &str) -> Result<RpcServers, String> {
+    h2o_llama::rpc::parse_servers(s)
+        .map(RpcServers)
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,6 +194,26 @@ mod tests {
         Cli::try_parse_from(std::iter::once("app").chain(args.iter().copied()))
             .expect("flags parse")
             .engine
+    }
+
+    #[test]
+    fn rpc_servers_as_llama_cpp_spells_them() {
+        let flags = parse(&["--rpc", "10.0.0.11:50052, 10.0.0.12:50053", "--no-repack"]);
+        let params = flags.model_params();
+        assert_eq!(params.rpc_servers, ["10.0.0.11:50052", "10.0.0.12:50053"]);
+        assert!(params.no_repack);
+        // layers on RPC servers are off this machine's CPU, GPU or not
+        assert!(!flags.layers_on_gpu());
+        assert!(parse(&["--rpc", "h:1", "--n-gpu-layers", "99"]).layers_on_gpu());
+        let err = Cli::try_parse_from(["app", "--rpc", "10.0.0.11"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("10.0.0.11") && err.contains("HOST:PORT"),
+            "{err}"
+        );
+        assert!(parse(&[]).model_params().rpc_servers.is_empty());
     }
 
     #[test]

@@ -37,7 +37,7 @@ mod engine;
 pub mod llama_spellings;
 mod sampling;
 
-pub use engine::{EngineFlag, EngineFlags};
+pub use engine::{EngineFlag, EngineFlags, RpcServers};
 pub use sampling::SamplingFlags;
 
 use clap::{Args, ValueEnum};
@@ -306,8 +306,8 @@ impl H2oChoice {
     /// Why a prompt of `n_prompt` tokens left to decide runs full attention, for messages.
     pub fn why_full_attention(n_prompt: usize, layers_on_gpu: bool) -> String {
         if layers_on_gpu {
-            "layers run on the GPU (-ngl), where H2O does not turn on by itself: its default has \
-             not been measured faster than full attention there"
+            "layers run on the GPU or RPC servers (-ngl), where H2O does not turn on by itself: \
+             its default has not been measured faster than full attention there"
                 .into()
         } else {
             format!(

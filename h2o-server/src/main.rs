@@ -240,7 +240,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
                     H2oConfig::AUTO_FROM_TOKENS
                 ))
             } else if cli.engine.layers_on_gpu() {
-                Some("the layers run on the GPU (-ngl)".into())
+                Some("the layers run on the GPU or RPC servers (-ngl)".into())
             } else if cli.context_shift || cli.kv_unified {
                 Some(
                     "a full-attention feature was asked for (--context-shift, --kv-unified)".into(),
@@ -370,7 +370,7 @@ fn engine_config(cli: &Cli, model_path: PathBuf) -> Result<EngineConfig> {
         session: slot,
         session_if_short,
         h2o_auto: auto,
-        n_gpu_layers: cli.engine.n_gpu_layers,
+        model_params: cli.engine.model_params(),
         queue_capacity: cli.queue,
         chat_template: cli.chat_template.clone(),
         jinja: if cli.no_jinja {

@@ -870,3 +870,19 @@ fn a_server_left_to_decide_runs_h2o_and_reuses_a_conversations_prefix() {
     assert_eq!(status, 200, "{v}");
     assert!(v["tokens_cached"].as_u64().unwrap() >= 1024, "{v}");
 }
+
+/// `--rpc` as llama-server spells it: a server that is not there stops h2o-server at start (exit
+/// 3), naming it, before llama.cpp's RPC client (which would end the process) connects.
+#[test]
+fn an_rpc_server_that_is_not_there_stops_the_server_at_start() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let server = format!("127.0.0.1:{port}");
+    refused_at_start(
+        &["--rpc", &server, "--n-gpu-layers", "99"],
+        &format!("RPC server {server}: cannot connect"),
+    );
+}

@@ -35,7 +35,8 @@ pub struct EngineConfig {
     pub session_if_short: Option<SessionConfig>,
     /// With `--h2o auto`, what it came to (before `session_if_short` is known to apply).
     pub h2o_auto: Option<h2o_flags::AutoDecision>,
-    pub n_gpu_layers: i32,
+    /// How to load the model: `-ngl`, `--rpc`, `--no-repack`.
+    pub model_params: h2o_llama::ModelParams,
     /// Jobs waiting for a slot beyond which `submit` answers [`SubmitError::QueueFull`].
     pub queue_capacity: usize,
     /// `--chat-template`: one of llama.cpp's built-in templates by name, or a template's text,

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use h2o_llama::{
-    ChatTemplates, H2oConfig, H2oState, Integrity, Model, ModelParams, ParallelSession, Sampler,
-    SessionConfig, Token, TokenLogprobs,
+    ChatTemplates, H2oConfig, H2oState, Integrity, Model, ParallelSession, Sampler, SessionConfig,
+    Token, TokenLogprobs,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -54,12 +54,7 @@ pub fn start(config: EngineConfig) -> Result<EngineHandle, h2o_llama::Error> {
         ));
     }
     // shared with the HTTP layer, which tokenizes for /tokenize without waiting for a step
-    let model = Arc::new(Model::load(
-        &config.model_path,
-        &ModelParams {
-            n_gpu_layers: config.n_gpu_layers,
-        },
-    )?);
+    let model = Arc::new(Model::load(&config.model_path, &config.model_params)?);
     let jinja = jinja_templates(&model, &config)?;
     let metrics = Arc::new(Metrics::default());
     let config_queue = config.queue_capacity;
