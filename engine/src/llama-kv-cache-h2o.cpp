@@ -452,6 +452,9 @@ ggml_tensor * llama_kv_cache_h2o::build_decode(ggml_context * ctx, ggml_tensor *
 }
 
 void llama_kv_cache_h2o::reset_all() {
+    if (!enabled()) {
+        return;
+    }
     for (uint32_t s = 0; s < strm.size(); ++s) {
         reset(s);
     }
@@ -632,6 +635,10 @@ bool llama_kv_cache_h2o::seq_rm_allowed(uint32_t s, llama_pos p0, llama_pos p1, 
 }
 
 void llama_kv_cache_h2o::copy_stream(uint32_t s_src, uint32_t s_dst) {
+    if (!enabled()) {
+        return;
+    }
+
     const auto & src = strm[s_src];
     auto       & dst = strm[s_dst];
 
@@ -753,6 +760,10 @@ static std::vector<uint32_t> llama_h2o_state_streams(const std::vector<uint32_t>
 }
 
 void llama_kv_cache_h2o::state_write_header(llama_io_write_i & io, llama_seq_id seq_id) const {
+    if (!enabled()) {
+        return;
+    }
+
     const auto streams = llama_h2o_state_streams(kv.seq_to_stream, kv.n_stream, seq_id);
 
     // one selection for the header: a state of several streams whose sequences select differently cannot be saved
@@ -815,6 +826,10 @@ void llama_kv_cache_h2o::state_read_header(llama_io_read_i & io, llama_seq_id se
 // after the streams: per stream of the state, the chunk bookkeeping, then per layer the scores of the stored
 // positions, the memory sets and the column sums of a chunk in progress
 void llama_kv_cache_h2o::state_write_data(llama_io_write_i & io, llama_seq_id seq_id) const {
+    if (!enabled()) {
+        return;
+    }
+
     const auto streams = llama_h2o_state_streams(kv.seq_to_stream, kv.n_stream, seq_id);
 
     const uint32_t n_strm = streams.size();
@@ -1066,46 +1081,6 @@ void llama_kv_cache_h2o::build_memory_set(int32_t il, uint32_t chunk_end, uint32
     view_idx.commit();
 
     hs.memory_initialized = true;
-}
-
-ggml_tensor * llama_kv_cache_h2o::gather_rows(ggml_context * ctx, ggml_tensor * t, uint32_t n_embd_head, int32_t il, const char * name, uint32_t s) const {
-    GGML_ASSERT(t != nullptr && t->ne[2] == 1);
-
-    ggml_tensor * mem_idx = get_memory_indices(il, s);
-
-    const int64_t n_head    = kv.hparams.n_head(il);
-    const int64_t n_head_kv = kv.hparams.n_head_kv(il);
-    const int64_t n_gqa     = n_head/n_head_kv;
-    const int64_t kv_size   = t->ne[1];
-    const int64_t M         = memory_size;
-
-    GGML_ASSERT(n_head % n_head_kv == 0);
-    GGML_ASSERT(t->ne[0] == (int64_t) n_embd_head*n_head_kv);
-
-    // K/V as [n_embd_head, kv_size, n_head_kv]; query head ih = ih_kv*n_gqa + g reads KV head ih_kv, so the
-    // index rows of a group's n_gqa query heads, back to back, are one gather from that KV head
-    ggml_tensor * src = ggml_view_3d(ctx, t, n_embd_head, kv_size, n_head_kv,
-            t->nb[1], ggml_row_size(t->type, n_embd_head), 0);
-
-    ggml_tensor * idx = ggml_reshape_2d(ctx, mem_idx, M*n_gqa, n_head_kv);
-
-    ggml_tensor * rows = ggml_get_rows(ctx, src, idx); // [n_embd_head, M*n_gqa, n_head_kv]
-    rows = ggml_reshape_3d(ctx, rows, n_embd_head, M, n_head);
-    ggml_set_name(rows, name);
-
-    return rows;
-}
-
-ggml_tensor * llama_kv_cache_h2o::gather_k_memory(ggml_context * ctx, int32_t il, uint32_t s) const {
-    const auto & layer = kv.layers[kv.map_layer_ids.at(il)];
-
-    return gather_rows(ctx, layer.k_stream[s], kv.hparams.n_embd_head_k(il), il, "h2o_k_mem", s);
-}
-
-ggml_tensor * llama_kv_cache_h2o::gather_v_memory(ggml_context * ctx, int32_t il, uint32_t s) const {
-    const auto & layer = kv.layers[kv.map_layer_ids.at(il)];
-
-    return gather_rows(ctx, layer.v_stream[s], kv.hparams.n_embd_head_v(il), il, "h2o_v_mem", s);
 }
 
 void llama_kv_cache_h2o::next_chunk(uint32_t chunk_len, uint32_t s) {

@@ -79,7 +79,7 @@ public:
 
     // the H2O state in llama.cpp's state format: a header written before the streams (so that a reader without H2O,
     // or with other settings, refuses the state before it changes anything), the state itself after them
-    // seq_id -1: every stream's state, else the state of the sequence's stream
+    // seq_id -1: every stream's state, else the state of the sequence's stream; nothing with H2O off
     void state_write_header(llama_io_write_i & io, llama_seq_id seq_id) const;
     void state_write_data  (llama_io_write_i & io, llama_seq_id seq_id) const;
 
@@ -87,7 +87,7 @@ public:
     // goes with them would make the next prefill silently differ) and throws
     void state_read_data(llama_io_read_i & io, llama_seq_id seq_id, const selection & sel);
 
-    // seq_cp to another stream: the destination's H2O state becomes the source's
+    // seq_cp to another stream: the destination's H2O state becomes the source's (nothing with H2O off)
     void copy_stream(uint32_t s_src, uint32_t s_dst);
 
     //
@@ -178,7 +178,7 @@ public:
     size_t size_bytes() const;
 
     // forget the sequence of stream s: scores to zero, every memory slot empty (-1), chunk state back to chunk 0,
-    // selection back to the cache's; reset_all() does it for every stream
+    // selection back to the cache's; reset_all() does it for every stream (nothing with H2O off)
     void reset(uint32_t s);
     void reset_all();
 
@@ -194,12 +194,6 @@ public:
     //   Local = the last L positions before chunk_end, Heavy = the H best of (M_{c-1} + chunk c) \ Local
     //   (ties to the lower position), written sorted ascending; slots left over are -1
     void build_memory_set(int32_t il, uint32_t chunk_end, uint32_t s = 0);
-
-    // K and V rows of the memory set, per query head: [n_embd_head, M, n_head]
-    // under GQA, query head ih reads KV head ih / (n_head / n_head_kv)
-    // the memory set must be full (no -1 slot): it is whenever it was built after a complete chunk, since M < S
-    ggml_tensor * gather_k_memory(ggml_context * ctx, int32_t il, uint32_t s = 0) const;
-    ggml_tensor * gather_v_memory(ggml_context * ctx, int32_t il, uint32_t s = 0) const;
 
     // a chunk of chunk_len positions is complete
     void next_chunk(uint32_t chunk_len, uint32_t s = 0);
@@ -333,8 +327,6 @@ private:
 
     // whether seq_rm may remove [p0, p1) from the sequence of stream s; undo_to: the chunk boundary to cut back to (-1: none)
     bool seq_rm_allowed(uint32_t s, llama_pos p0, llama_pos p1, int32_t & undo_to) const;
-
-    ggml_tensor * gather_rows(ggml_context * ctx, ggml_tensor * kv, uint32_t n_embd_head, int32_t il, const char * name, uint32_t s) const;
 
     // throws, naming the difference, when the header's settings are not this cache's
     // the header's selection is the restored sequences' (sel)

@@ -558,55 +558,6 @@ static void test_long_run(const llama_model & model) {
     CHECK(kv->h2o().get_chunk_idx() == n_chunks && kv->h2o().get_total_tokens() == n_chunks*S, "chunk state");
 }
 
-// gathers: query head ih reads the K/V rows of its memory positions from KV head ih / n_gqa
-static void test_gather(const llama_model & model) {
-    const shape sh = model_shape(model);
-    const uint32_t kv_size = 2048;
-    auto kv = make_cache(model, kv_size, L, Hh);
-    const int il = 11;
-
-    std::mt19937 rng(12);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (ggml_tensor * t : { kv->get_k_storage(il), kv->get_v_storage(il) }) {
-        std::vector<ggml_fp16_t> data(ggml_nelements(t));
-        for (auto & x : data) x = ggml_fp32_to_fp16(nd(rng));
-        ggml_backend_tensor_set(t, data.data(), 0, ggml_nbytes(t));
-    }
-
-    run_chunk0(*kv, il, sh.n_head, [&](uint32_t ih, uint32_t pos) { return (float) ((pos*13 + ih*29) % 211); });
-
-    ggml_init_params params = { 64*ggml_tensor_overhead() + 2*ggml_graph_overhead() + 2*sizeof(float)*sh.n_embd_head*M*sh.n_head + 4096, nullptr, false };
-    ggml_context * ctx = ggml_init(params);
-    ggml_tensor * k_mem = kv->h2o().gather_k_memory(ctx, il);
-    ggml_tensor * v_mem = kv->h2o().gather_v_memory(ctx, il);
-    ggml_cgraph * gf = ggml_new_graph(ctx);
-    ggml_build_forward_expand(gf, k_mem);
-    ggml_build_forward_expand(gf, v_mem);
-    CHECK(ggml_graph_compute_with_ctx(ctx, gf, 2) == GGML_STATUS_SUCCESS, "graph compute");
-
-    CHECK(k_mem->ne[0] == sh.n_embd_head && k_mem->ne[1] == M && k_mem->ne[2] == sh.n_head, "k_mem shape");
-    CHECK(std::string(ggml_get_name(k_mem)) == "h2o_k_mem" && std::string(ggml_get_name(v_mem)) == "h2o_v_mem", "names");
-
-    const uint32_t n_gqa = sh.n_head/sh.n_head_kv;
-    size_t n_bad = 0;
-    for (auto [gathered, storage] : { std::make_pair(k_mem, kv->get_k_storage(il)), std::make_pair(v_mem, kv->get_v_storage(il)) }) {
-        const auto * src = (const ggml_fp16_t *) storage->data;
-        for (uint32_t ih = 0; ih < sh.n_head; ++ih) {
-            const auto mem = read_memory(*kv, il, ih);
-            const uint32_t ih_kv = ih/n_gqa;
-            for (uint32_t m = 0; m < M; ++m) {
-                for (uint32_t d = 0; d < sh.n_embd_head; ++d) {
-                    const float got = ((const float *) gathered->data)[((size_t) ih*M + m)*sh.n_embd_head + d];
-                    const float exp = ggml_fp16_to_fp32(src[(size_t) mem[m]*storage->ne[0] + ih_kv*sh.n_embd_head + d]);
-                    n_bad += got != exp;
-                }
-            }
-        }
-    }
-    CHECK(n_bad == 0, "%zu gathered values differ from the K/V rows", n_bad);
-    ggml_free(ctx);
-}
-
 // random chunk sizes, L, H, N and score distributions (ties, all equal, extremes): over every chunk of
 // a multi-chunk run, the builder equals the written-out rule, slots stay in range and are unique
 static void test_random_cases(const llama_model & model) {
@@ -1273,7 +1224,6 @@ int main(int argc, char ** argv) {
         { "metric 9: per-head independence", [&] { test_per_head(*model); } },
         { "metric 10: sorted indices",       [&] { test_sorted(*model); } },
         { "metric 11: 16-chunk stability",   [&] { test_long_run(*model); } },
-        { "GQA gathers",                     [&] { test_gather(*model); } },
         { "random cases vs the rule",        [&] { test_random_cases(*model); } },
         { "reset",                           [&] { test_reset(*model); } },
         { "C API",                           [&] { test_context_api(model); } },
