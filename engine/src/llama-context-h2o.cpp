@@ -93,8 +93,8 @@ void llama_h2o_cparams_init(llama_cparams & cparams, const llama_context_params 
             throw std::runtime_error("H2O: sparse prefill needs a default context that owns its memory");
         }
     } else if (params.h2o_sink != 0 || params.h2o_dense_tail != 0 || params.h2o_select != LLAMA_H2O_SELECT_SEED || params.h2o_undo_log ||
-               params.h2o_coverage != 1.0f || params.h2o_tile_samples != 4 || params.h2o_tile_sketch != 1 ||
-               params.h2o_decode_budget != 0 || params.h2o_decode_coverage != 1.0f) {
+               params.h2o_coverage != 1.0f || params.h2o_tile_samples != llama_context_default_params().h2o_tile_samples ||
+               params.h2o_tile_sketch != 1 || params.h2o_decode_budget != 0 || params.h2o_decode_coverage != 1.0f) {
         throw std::runtime_error("H2O: h2o_select, h2o_sink, h2o_dense_tail, h2o_coverage, h2o_tile_samples, h2o_tile_sketch, "
                 "h2o_undo_log, h2o_decode_budget and h2o_decode_coverage need H2O on (h2o_local + h2o_heavy > 0)");
     }
