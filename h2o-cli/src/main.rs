@@ -148,7 +148,7 @@ struct Record<'a> {
 }
 
 /// The llama.cpp multi-letter flags h2o-cli takes (clap cannot declare them).
-const LLAMA_FLAGS: &[&str] = &["-ub", "-fa", "-ngl", "-ctk", "-ctv"];
+const LLAMA_FLAGS: &[&str] = &["-ub", "-fa", "-ngl", "-ctk", "-ctv", "-hf"];
 
 fn main() -> ExitCode {
     let cli = Cli::parse_from(llama_spellings::expand(std::env::args(), LLAMA_FLAGS));

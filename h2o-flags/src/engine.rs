@@ -17,6 +17,10 @@ pub struct EngineFlags {
     /// pip [default: SmolLM2-135M-Instruct Q4_1]
     #[arg(short = 'm', long, value_name = "FILE")]
     pub model: Option<PathBuf>,
+    /// A Hugging Face repository (-hf), as llama.cpp takes it: refused with the way to load the
+    /// model instead (a usage error rather than clap reading `-hf` as `-h -f`)
+    #[arg(long = "hf-repo", value_name = "USER/MODEL", value_parser = refuse_hf_repo, hide = true)]
+    pub hf_repo: Option<String>,
     /// Context size in tokens (-c) [default: 0, the model's training context]
     #[arg(short = 'c', long = "ctx-size", value_name = "N")]
     pub ctx_size: Option<u32>,
@@ -169,6 +173,13 @@ impl EngineFlags {
     }
 }
 
+fn refuse_hf_repo(repo: &str) -> Result<String, String> {
+    Err(format!(
+        "h2o-llama does not download {repo} from Hugging Face: download its GGUF file and give \
+         -m FILE, or -m smollm2-135m / -m gemma3-270m (fetched and verified)"
+    ))
+}
+
 /// `--rpc`'s value: the servers of `HOST:PORT[,HOST:PORT...]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RpcServers(pub Vec<String>);
@@ -214,6 +225,21 @@ mod tests {
             "{err}"
         );
         assert!(parse(&[]).model_params().rpc_servers.is_empty());
+    }
+
+    #[test]
+    fn a_hugging_face_repository_is_refused_with_the_way_to_load_the_model() {
+        let args = crate::llama_spellings::expand(
+            ["app", "-hf", "ggml-org/gemma-3-1b-it-GGUF"].map(String::from),
+            &["-hf"],
+        );
+        let err = Cli::try_parse_from(args).err().unwrap();
+        assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+        let msg = err.to_string();
+        assert!(
+            msg.contains("ggml-org/gemma-3-1b-it-GGUF") && msg.contains("-m FILE"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub const MULTI_LETTER_FLAGS: &[(&str, &str)] = &[
     ("-np", "--parallel"),
     ("-ctk", "--cache-type-k"),
     ("-ctv", "--cache-type-v"),
+    ("-hf", "--hf-repo"),
 ];
 
 /// Rewrites those of `flags` (taken from [`MULTI_LETTER_FLAGS`]) found in `args` to their long

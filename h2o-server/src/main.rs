@@ -155,7 +155,7 @@ struct Cli {
 }
 
 /// The llama-server multi-letter flags h2o-server takes (clap cannot declare them).
-const LLAMA_FLAGS: &[&str] = &["-np", "-ub", "-fa", "-ngl", "-ctk", "-ctv"];
+const LLAMA_FLAGS: &[&str] = &["-np", "-ub", "-fa", "-ngl", "-ctk", "-ctv", "-hf"];
 
 fn main() -> ExitCode {
     let cli = Cli::parse_from(llama_spellings::expand(std::env::args(), LLAMA_FLAGS));
