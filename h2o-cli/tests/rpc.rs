@@ -1,9 +1,9 @@
 //! Layers on other machines: every layer of the default model offloaded to two h2o-rpc-server
 //! processes on localhost (started here, ended by pid) gives the same logits, bit for bit, as the
 //! same run on this process's CPU with the same (plain) buffers, for every policy, with the same
-//! scores and memory sets read back, the same sparse decode steps and the same saved state; and a
-//! server that is not there, of another protocol, silent, or killed mid-prefill gets a clear
-//! error naming it.
+//! scores and memory sets read back, the same sparse decode steps and the same saved states (a
+//! context's and a sequence's); and a server that is not there, of another protocol, silent, or
+//! killed mid-prefill gets a clear error naming it.
 
 // The root package's shared test helpers (the default model).
 #[path = "../../tests/common/mod.rs"]
@@ -15,7 +15,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use h2o_llama::{
-    rpc, Error, H2oConfig, Model, ModelParams, Selection, Session, SessionConfig, Token,
+    rpc, Error, H2oConfig, Model, ModelParams, ParallelSession, Selection, Session, SessionConfig,
+    Token,
 };
 
 /// An h2o-rpc-server child process on a free localhost port, killed when dropped.
@@ -180,6 +181,32 @@ fn every_layer_over_two_rpc_servers_gives_the_local_cpus_results_bit_for_bit() {
         );
     }
     assert!(common::h2o_snapshot(&c) == common::h2o_snapshot(&d));
+
+    // one sequence's state (what h2o-server's slot files hold): saved from sequence 0 of a
+    // two-sequence context over RPC and of the same local one, the same bytes; restored into
+    // sequence 1 of each, the next step gives the same logits
+    let dir = common::scratch("rpc-seq-state");
+    let h2o = Some(H2oConfig::new(64, 64));
+    let mut r = ParallelSession::new(&remote, config(h2o), 2).unwrap();
+    let mut l = ParallelSession::new(&local, config(h2o), 2).unwrap();
+    for (p, file) in [(&mut r, "remote"), (&mut l, "local")] {
+        p.start_prompt(0, &tokens, None).unwrap();
+        let mut done = 0;
+        while done < tokens.len() {
+            done += p.prefill(0, &tokens[done..], usize::MAX).unwrap();
+        }
+        p.save_seq(0, &dir.join(file)).unwrap();
+        p.load_seq(1, &dir.join("remote")).unwrap();
+        p.decode(&[(1, tokens[1])]).unwrap();
+    }
+    assert!(
+        std::fs::read(dir.join("remote")).unwrap() == std::fs::read(dir.join("local")).unwrap(),
+        "a sequence's state saved over RPC differs from the local CPU's"
+    );
+    assert!(
+        r.logits(Some(0)).unwrap() == l.logits(Some(0)).unwrap(),
+        "a sequence restored over RPC continues differently from one restored locally"
+    );
 }
 
 /// The error loading the default model over `server` gives.
