@@ -143,9 +143,11 @@ impl Model {
         // `Model`.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
         drop(devices);
-        let ptr = NonNull::new(raw).ok_or_else(|| Error::ModelLoad {
-            path: path.to_path_buf(),
-            reason: backend::recent_log_reason(),
+        let ptr = NonNull::new(raw).ok_or_else(|| {
+            rpc::allocation_error(backend::recent_log_reason(), |reason| Error::ModelLoad {
+                path: path.to_path_buf(),
+                reason,
+            })
         })?;
         Ok(Self {
             ptr,

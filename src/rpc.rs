@@ -157,6 +157,26 @@ pub fn check_server(server: &str) -> Result<()> {
     Ok(())
 }
 
+/// The error of a model or context that could not be created, from llama.cpp's `reason`: where
+/// the buffer it could not allocate is an RPC server's (named `RPC<device>[HOST:PORT]` by
+/// ggml-rpc), [`Error::Rpc`] naming that server, else `otherwise(reason)`.
+pub(crate) fn allocation_error(reason: String, otherwise: impl FnOnce(String) -> Error) -> Error {
+    let server = reason
+        .find("failed to allocate RPC")
+        .map(|at| &reason[at..])
+        .and_then(|s| Some(&s[s.find('[')? + 1..s.find(']')?]));
+    match server {
+        Some(server) => Error::Rpc {
+            server: server.to_string(),
+            reason: format!(
+                "it has not enough memory for the layers or the KV cache placed on it: {reason} \
+                 (a smaller -c, fewer layers on it with -ngl, or more servers)"
+            ),
+        },
+        None => otherwise(reason),
+    }
+}
+
 /// The devices of `servers` in llama.cpp's registry, each server checked first
 /// ([`check_server`]), then llama.cpp's RPC client connected to it.
 pub(crate) fn devices(servers: &[String]) -> Result<Vec<sys::ggml_backend_dev_t>> {

@@ -2,8 +2,8 @@
 //! processes on localhost (started here, ended by pid) gives the same logits, bit for bit, as the
 //! same run on this process's CPU with the same (plain) buffers, for every policy, with the same
 //! scores and memory sets read back, the same sparse decode steps and the same saved states (a
-//! context's and a sequence's); and a server that is not there, of another protocol, silent, or
-//! killed mid-prefill gets a clear error naming it.
+//! context's and a sequence's); and a server that is not there, of another protocol, silent,
+//! short of memory or killed mid-prefill gets a clear error naming it.
 
 // The root package's shared test helpers (the default model).
 #[path = "../../tests/common/mod.rs"]
@@ -27,9 +27,17 @@ struct RpcServer {
 
 impl RpcServer {
     fn start() -> Self {
+        Self::start_within(None)
+    }
+
+    /// A server whose address space is limited to `kib` KiB (`ulimit -v`), where given.
+    fn start_within(kib: Option<u64>) -> Self {
         let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_h2o-rpc-server"))
-            .args(["-p", &port.to_string(), "-t", "1"])
+        let server = format!("{} -p {port} -t 1", env!("CARGO_BIN_EXE_h2o-rpc-server"));
+        let limit = kib.map_or(String::new(), |k| format!("ulimit -v {k}; "));
+        // exec: the shell becomes the server, so its pid is the server's
+        let child = Command::new("bash")
+            .args(["-c", &format!("{limit}exec {server}")])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -299,6 +307,40 @@ fn servers_that_are_not_there_or_speak_another_protocol_are_refused_naming_them(
         err.contains(&format!("RPC server 127.0.0.1:{port}")),
         "{err}"
     );
+}
+
+#[test]
+fn a_server_without_enough_memory_is_named() {
+    let _engine = common::one_engine_at_a_time();
+    // room for the weights (~100 MB) and the server itself, not for a 64K-token KV cache (1.5 GB)
+    let server = RpcServer::start_within(Some(1_200_000));
+    let remote = Model::load(
+        common::model_path(),
+        &ModelParams {
+            n_gpu_layers: 99,
+            rpc_servers: vec![server.endpoint.clone()],
+            ..ModelParams::default()
+        },
+    )
+    .unwrap();
+    let config = SessionConfig {
+        n_ctx: 65536,
+        ..config(None)
+    };
+    match Session::new(&remote, config) {
+        Err(Error::Rpc {
+            server: name,
+            reason,
+        }) => {
+            assert_eq!(name, server.endpoint);
+            assert!(
+                reason.contains("not enough memory") && reason.contains("kv cache"),
+                "{reason}"
+            );
+        }
+        Err(e) => panic!("not an RPC error: {e}"),
+        Ok(_) => panic!("a 64K-token context fit in 1.2 GB"),
+    };
 }
 
 #[test]

@@ -302,8 +302,10 @@ impl<'m> Session<'m> {
         backend::clear_recent_log();
         // SAFETY: model outlives the context (lifetime 'm); ownership of the result is ours.
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
-        let ctx = NonNull::new(raw).ok_or_else(|| Error::ContextInit {
-            reason: backend::recent_log_reason(),
+        let ctx = NonNull::new(raw).ok_or_else(|| {
+            crate::rpc::allocation_error(backend::recent_log_reason(), |reason| {
+                Error::ContextInit { reason }
+            })
         })?;
         // SAFETY: valid context.
         let n_ctx = unsafe { sys::llama_n_ctx(ctx.as_ptr()) };

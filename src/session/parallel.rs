@@ -172,8 +172,10 @@ impl<'m> ParallelSession<'m> {
         backend::clear_recent_log();
         // SAFETY: model outlives the context (lifetime 'm); ownership of the result is ours.
         let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
-        let ctx = NonNull::new(raw).ok_or_else(|| Error::ContextInit {
-            reason: backend::recent_log_reason(),
+        let ctx = NonNull::new(raw).ok_or_else(|| {
+            crate::rpc::allocation_error(backend::recent_log_reason(), |reason| {
+                Error::ContextInit { reason }
+            })
         })?;
         // SAFETY: valid context. llama.cpp pads each sequence's context to 256 cells and caps
         // n_batch at n_ctx and n_ubatch at n_batch: use what is in effect, but hold each
