@@ -164,7 +164,8 @@ pub(crate) fn allocation_error(reason: String, otherwise: impl FnOnce(String) ->
     let server = reason
         .find("failed to allocate RPC")
         .map(|at| &reason[at..])
-        .and_then(|s| Some(&s[s.find('[')? + 1..s.find(']')?]));
+        .and_then(|s| s.split_once('[')?.1.split_once(']'))
+        .map(|(server, _)| server);
     match server {
         Some(server) => Error::Rpc {
             server: server.to_string(),
@@ -341,4 +342,44 @@ pub fn serve(config: &RpcServeConfig) -> Result<std::convert::Infallible> {
 
 fn path_cstring(path: &Path) -> Result<CString> {
     Ok(CString::new(path.as_os_str().as_encoded_bytes())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_rpc_buffer_that_could_not_be_allocated_names_its_server() {
+        let reason = "ggml_backend_buft_alloc_buffer_n_default: failed to allocate \
+                      RPC1[10.0.0.12:50052] buffer of size 1509949440; failed to allocate buffer \
+                      for kv cache";
+        match allocation_error(reason.to_string(), Error::InvalidConfig) {
+            Error::Rpc { server, reason } => {
+                assert_eq!(server, "10.0.0.12:50052");
+                assert!(reason.contains("not enough memory") && reason.contains("kv cache"));
+            }
+            e => panic!("{e}"),
+        }
+        for other in [
+            "failed to allocate CPU buffer of size 8",
+            "failed to allocate RPC0 buffer]x[",
+            "",
+        ] {
+            assert!(matches!(
+                allocation_error(other.to_string(), Error::InvalidConfig),
+                Error::InvalidConfig(r) if r == other
+            ));
+        }
+    }
+
+    #[test]
+    fn servers_are_host_and_port() {
+        assert_eq!(
+            parse_servers("a:1, [::1]:50052").unwrap(),
+            ["a:1", "[::1]:50052"]
+        );
+        for bad in ["a", "a:0", ":1", "a:b", "a:65536", "a:1,"] {
+            assert!(parse_servers(bad).is_err(), "{bad}");
+        }
+    }
 }
