@@ -26,8 +26,9 @@ pub struct AttentionCapture {
     pub local: u32,
     pub heavy: u32,
     pub scale: f32,
-    /// The selection the op ran with (`ggml_h2o_select`: 0 = seed, 1 = query, 2 = query-mean, 3 = hybrid, 4 = coverage),
-    /// its sink, and the first position of the dense tail (`i32::MAX`: none).
+    /// The selection the op ran with (`ggml_h2o_select`: 0 = seed, 3 = hybrid, 4 = coverage; 1
+    /// and 2 were retired policies), its sink, and the first position of the dense tail
+    /// (`i32::MAX`: none).
     pub select: u32,
     pub sink: u32,
     pub tail_start: i32,

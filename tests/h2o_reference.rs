@@ -42,6 +42,8 @@ const S: usize = 128;
 const L: usize = 32;
 const H: usize = 32;
 const N: usize = 3 * S + 40;
+/// the dense tail of the runs that have one: inside the last chunk
+const TAIL: usize = 24;
 
 fn config(h2o: H2oConfig) -> SessionConfig {
     SessionConfig {
@@ -601,27 +603,11 @@ fn the_logit_arithmetic_matters(m: &Model, name: &str) {
     eprintln!("{name}: a reference without them would miss by {miss:.3e} (tolerance {tol:.1e})");
 }
 
-/// Query-aware selection (both block summaries) with sinks and a dense tail, in one call: the
-/// memory of every chunk comes from its own queries and the cache's keys, so the reference
-/// chooses it from the captured Q and K alone and must land on the same blocks; every output
-/// row, the tail's full-attention rows included, must match.
-#[test]
-fn query_selection_with_sinks_and_dense_tail_matches_the_reference_in_every_layer() {
-    let m = common::model();
-    check_query_selection(m, &prompt(m), &[Selection::Query, Selection::QueryMean], 24);
-}
-
-/// Gemma 3 270M, query-aware selection with sinks and a dense tail on its global layers.
-#[test]
-fn gemma3_query_selection_matches_the_reference_on_the_global_layers() {
-    let m = common::gemma();
-    check_query_selection(m, &prompt(m), &[Selection::Query], 24);
-}
-
 /// The dense tail walks the keys in spans of 1024 merged by online softmax (so its scratch does
 /// not grow with the prompt): a tail whose queries see more than one span must still match full
 /// attention row by row. 1100 tokens in three calls (n_batch 512), the tail (rows 1040 ..
-/// 1100, each seeing more than 1024 keys) in the last.
+/// 1100, each seeing more than 1024 keys) in the last; coverage selection chooses the memory of
+/// the rows before it.
 #[test]
 fn dense_tail_across_key_spans_matches_the_reference_in_every_layer() {
     let tokens = common::model()
@@ -632,87 +618,11 @@ fn dense_tail_across_key_spans_matches_the_reference_in_every_layer() {
         "demo prompt too short: {}",
         tokens.len()
     );
-    check_query_selection(common::model(), &tokens[..1100], &[Selection::Query], 60);
+    check_coverage_selection(common::model(), &tokens[..1100], 60, 0.9, 16, 1);
 }
 
-fn check_query_selection(m: &Model, tokens: &[i32], selects: &[Selection], tail: usize) {
-    const SINK: usize = 4;
-    let n = tokens.len();
-    for &select in selects {
-        let h2o = H2oConfig {
-            select,
-            sink: SINK as u32,
-            dense_tail: tail as u32,
-            ..H2oConfig::seed(L as u32, H as u32)
-        };
-        let config = SessionConfig {
-            n_ctx: 2048,
-            ..config(h2o)
-        };
-        let mut s = Session::new(m, config).unwrap();
-        s.evaluate(tokens).unwrap();
-        let captures = s.take_attention_captures().unwrap();
-        let final_sets = all_memory_sets(&s);
-        let layers = s.h2o_layers();
-        assert_eq!(
-            captures.len(),
-            n.div_ceil(S) * layers.len(),
-            "one capture per ubatch and layer"
-        );
-        for c in &captures {
-            // only the call whose last token asks for logits has a tail
-            let last_call = (c.p0 + c.n_tokens) as usize > (n - 1) / 512 * 512;
-            let want_tail = if last_call {
-                (n - tail) as i32
-            } else {
-                c.tail_start
-            };
-            assert_eq!(
-                (c.select, c.sink, c.tail_start),
-                (select as u32, SINK as u32, want_tail),
-                "{select}: op parameters"
-            );
-            assert!(
-                last_call || c.tail_start < 0 || c.tail_start >= (c.p0 + c.n_tokens) as i32,
-                "{select}: a tail in an earlier call"
-            );
-        }
-        let params = H2oParams {
-            chunk: S,
-            local: L,
-            heavy: H,
-            select,
-            sink: SINK,
-            tail_start: Some(n - tail),
-        };
-        let (mut max_err, mut max_v) = (0f64, 0f64);
-        for (&layer, sets) in layers.iter().zip(&final_sets) {
-            let t = layer_trace(&captures, layer);
-            assert_eq!(t.n, n, "layer {layer}: positions captured");
-            for (h, engine_set) in sets.iter().enumerate() {
-                let what = format!("{select}: layer {layer} head {h}");
-                let (q, k, v) = t.head_inputs(h);
-                let r = h2o_attention_head_given_memory(&q, &k, &v, t.logits, &params, &[]);
-                // after the call the engine holds the memory the last chunk read
-                assert_eq!(
-                    engine_set,
-                    &r.memory_sets[n / S - 1],
-                    "{what}: memory of the last chunk"
-                );
-                let output = t.with_sink(h, &q, &k, r.output.clone(), &r.key_sets);
-                let (err, vmax) = assert_outputs_match(&t, h, &v, &output, &what);
-                max_err = max_err.max(err);
-                max_v = max_v.max(vmax);
-            }
-        }
-        eprintln!(
-            "{select}, {n} tokens, tail {tail}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})"
-        );
-    }
-}
-
-/// Hybrid selection (half the budget by query-aware blocks, half by accumulated scores) with
-/// sinks, in chunk-aligned calls: after each call the engine holds the memory its last chunk
+/// Hybrid selection (half the budget by blocks the chunk's own queries choose, half by
+/// accumulated scores) with sinks, in chunk-aligned calls: after each call the engine holds the memory its last chunk
 /// read, which is fed to the reference (as for the seed rule, because the score half ranks BF16
 /// scores where the reference ranks f64 ones). Each engine memory must equal the reference's
 /// choice from the same history, except for positions swapped with candidates whose scores tie
@@ -799,19 +709,19 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
 /// quarter or an eighth of the key channels (`h2o_tile_sketch`).
 #[test]
 fn coverage_selection_matches_the_reference_in_every_layer() {
-    check_coverage_selection(common::model(), 1.0, 4, 1);
-    check_coverage_selection(common::model(), 0.9, 16, 1);
-    check_coverage_selection(common::model(), 1.0, 32, 4);
-    check_coverage_selection(common::model(), 0.9, 16, 8);
+    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 1.0, 4, 1);
+    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 0.9, 16, 1);
+    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 1.0, 32, 4);
+    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 0.9, 16, 8);
 }
 
 /// Gemma 3 270M, coverage selection on its global layers; 64 samples on half the channels is
 /// what a session chooses for its 256-channel key heads.
 #[test]
 fn gemma3_coverage_selection_matches_the_reference_on_the_global_layers() {
-    check_coverage_selection(common::gemma(), 1.0, 4, 1);
-    check_coverage_selection(common::gemma(), 1.0, 32, 4);
-    check_coverage_selection(common::gemma(), 1.0, 64, 2);
+    check_coverage_selection(common::gemma(), &prompt(common::gemma()), TAIL, 1.0, 4, 1);
+    check_coverage_selection(common::gemma(), &prompt(common::gemma()), TAIL, 1.0, 32, 4);
+    check_coverage_selection(common::gemma(), &prompt(common::gemma()), TAIL, 1.0, 64, 2);
 }
 
 /// A coverage policy that leaves the sketch out gets the one recommended for the model's key
@@ -878,30 +788,65 @@ fn coverage_selection_gives_the_same_logits_with_any_thread_count() {
     }
 }
 
-fn check_coverage_selection(m: &Model, coverage: f32, samples: u32, sketch: u32) {
+fn check_coverage_selection(
+    m: &Model,
+    tokens: &[i32],
+    tail: usize,
+    coverage: f32,
+    samples: u32,
+    sketch: u32,
+) {
     const SINK: usize = 4;
-    const TAIL: usize = 24;
-    let tokens = prompt(m);
+    let n = tokens.len();
     let h2o = H2oConfig {
         select: Selection::Coverage,
         sink: SINK as u32,
-        dense_tail: TAIL as u32,
+        dense_tail: tail as u32,
         coverage,
         tile_samples: samples,
         tile_sketch: sketch,
         ..H2oConfig::seed(L as u32, H as u32)
     };
-    let mut s = Session::new(m, config(h2o)).unwrap();
-    s.evaluate(&tokens).unwrap();
+    let config = SessionConfig {
+        n_ctx: n.next_power_of_two().max(1024) as u32,
+        ..config(h2o)
+    };
+    let mut s = Session::new(m, config).unwrap();
+    s.evaluate(tokens).unwrap();
     let captures = s.take_attention_captures().unwrap();
     let final_sets = all_memory_sets(&s);
+    // the calls the session made: n_batch tokens each
+    let calls: Vec<std::ops::Range<usize>> = (0..n)
+        .step_by(512)
+        .map(|start| start..(start + 512).min(n))
+        .collect();
+    for c in &captures {
+        // only the ubatches of the last call, whose last token asks for logits, have a tail
+        let last_call = (c.p0 + c.n_tokens) as usize > calls[calls.len() - 1].start;
+        let want_tail = if last_call {
+            (n - tail) as i32
+        } else {
+            c.tail_start
+        };
+        assert_eq!(
+            (c.select, c.sink, c.tail_start),
+            (Selection::Coverage as u32, SINK as u32, want_tail),
+            "op parameters of the ubatch at {}",
+            c.p0
+        );
+        assert!(
+            last_call || c.tail_start < 0 || c.tail_start >= (c.p0 + c.n_tokens) as i32,
+            "a tail in an earlier call, in the ubatch at {}",
+            c.p0
+        );
+    }
     let params = H2oParams {
         chunk: S,
         local: L,
         heavy: H,
         select: Selection::Coverage,
         sink: SINK,
-        tail_start: Some(N - TAIL),
+        tail_start: Some(n - tail),
     };
     let (mut max_err, mut max_v) = (0f64, 0f64);
     for (&layer, sets) in s.h2o_layers().iter().zip(&final_sets) {
@@ -925,22 +870,14 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32, sketch: u32)
             samples: samples as usize,
             sketch: sketch as usize,
         };
-        let r = h2o_attention_coverage(
-            &q,
-            &k,
-            &v,
-            t.logits,
-            &params,
-            &cp,
-            std::slice::from_ref(&(0..N)),
-        );
+        let r = h2o_attention_coverage(&q, &k, &v, t.logits, &params, &cp, &calls);
         for (h, engine_set) in sets.iter().enumerate() {
             let what = format!(
                 "coverage {coverage}, {samples} samples, sketch 1/{sketch}: layer {layer} head {h}"
             );
             assert_eq!(
                 engine_set,
-                &r[h].memory_sets[N / S - 1],
+                &r[h].memory_sets[n / S - 1],
                 "{what}: memory of the last tile"
             );
             let output = t.with_sink(
@@ -956,6 +893,6 @@ fn check_coverage_selection(m: &Model, coverage: f32, samples: u32, sketch: u32)
         }
     }
     eprintln!(
-        "coverage {coverage}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})"
+        "coverage {coverage}, {n} tokens, tail {tail}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})"
     );
 }

@@ -217,6 +217,24 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
     assert!(msg.contains("8 bytes follow the state"), "{msg}");
     assert!(msg.contains("the session was emptied"), "{msg}");
     assert_eq!(s.n_past(), 0);
+    // a state saved under a policy since retired (h2o_select 1, whole blocks by the chunk's own
+    // queries): its H2O header names the policy by number, and this build refuses it by name
+    let magic = state
+        .windows(8)
+        .position(|w| w[..4] == *b"H2OS" && w[4..] == 4u32.to_le_bytes())
+        .expect("the H2O section's magic and version");
+    let mut retired = state.to_vec();
+    let select_at = magic + 4 + 4 * 4; // magic, then version, L, H, S, select
+    assert_eq!(retired[select_at..select_at + 4], 0u32.to_le_bytes());
+    retired[select_at..select_at + 4].copy_from_slice(&1u32.to_le_bytes());
+    let mut s = Session::new(m, config(Some(seed))).unwrap();
+    s.evaluate(&b[..100]).unwrap();
+    let msg = s.load_state_bytes(&retired).unwrap_err().to_string();
+    assert!(
+        msg.contains("h2o_select = 1, a policy this build no longer runs"),
+        "{msg}"
+    );
+    s.evaluate(&b[..10]).unwrap();
     let truncated = dir.join("truncated.session");
     std::fs::write(&truncated, &bytes[..bytes.len() - 1000]).unwrap();
     let older_truncated = dir.join("older-truncated.session");

@@ -44,8 +44,10 @@ void llama_h2o_cparams_init(llama_cparams & cparams, const llama_context_params 
             throw std::runtime_error(format("H2O: each sequence needs its own KV stream for its H2O state, but the n_seq_max = %u "
                         "sequences share a unified cache: set kv_unified = false", cparams.n_seq_max));
         }
-        if (params.h2o_select < LLAMA_H2O_SELECT_SEED || params.h2o_select > LLAMA_H2O_SELECT_COVERAGE) {
-            throw std::runtime_error(format("H2O: unknown h2o_select = %d: use one of enum llama_h2o_select", (int) params.h2o_select));
+        if (!llama_h2o_select_known(params.h2o_select)) {
+            throw std::runtime_error(format("H2O: unknown h2o_select = %d: use LLAMA_H2O_SELECT_SEED, _HYBRID or _COVERAGE "
+                        "(1 and 2, whole blocks by the chunk's own queries, were retired; the hybrid chooses half of its "
+                        "budget that way)", (int) params.h2o_select));
         }
         if (!(params.h2o_coverage > 0.0f && params.h2o_coverage <= 1.0f)) {
             throw std::runtime_error(format("H2O: the coverage target h2o_coverage = %g must be in (0, 1]", (double) params.h2o_coverage));
@@ -129,6 +131,14 @@ static bool llama_h2o_remote_supports_op(ggml_backend_t backend, const ggml_tens
     return supports_op_remote == nullptr || supports_op_remote(dev, node);
 }
 
+// what an H2O op asks of a backend's kernels, for the messages that refuse one
+static std::string llama_h2o_op_config(const ggml_tensor * node) {
+    if (node->op == GGML_OP_H2O_DECODE) {
+        return "sparse decode (h2o_decode_budget > 0)";
+    }
+    return format("h2o_select = %d", ((const int32_t *) node->op_params)[GGML_H2O_ATTN_SELECT]);
+}
+
 bool llama_h2o_check_placement(ggml_backend_sched_t sched, ggml_cgraph * gf, bool log) {
     std::vector<std::pair<ggml_backend_t, int>> n_per_backend;
     int n_ops = 0;
@@ -144,11 +154,10 @@ bool llama_h2o_check_placement(ggml_backend_sched_t sched, ggml_cgraph * gf, boo
         }
         if (!llama_h2o_remote_supports_op(backend, node)) {
             ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-            LLAMA_LOG_ERROR("%s: H2O: %s (%s) holds the state of %s but its server cannot run it with h2o_select = %d: "
-                    "that server's H2O kernels do not implement that memory selection, or it runs another build. Choose "
-                    "another h2o_select, or keep those layers local (n_gpu_layers)\n", __func__, ggml_backend_name(backend),
-                    dev ? ggml_backend_dev_description(dev) : "?", node->name,
-                    node->op == GGML_OP_H2O_ATTN ? ((const int32_t *) node->op_params)[GGML_H2O_ATTN_SELECT] : -1);
+            LLAMA_LOG_ERROR("%s: H2O: %s (%s) holds the state of %s but its server cannot run it with %s: that server's "
+                    "H2O kernels do not implement it, or it runs another build. Choose another h2o_select (or full decode, "
+                    "h2o_decode_budget = 0), or keep those layers local (n_gpu_layers)\n", __func__, ggml_backend_name(backend),
+                    dev ? ggml_backend_dev_description(dev) : "?", node->name, llama_h2o_op_config(node).c_str());
             return false;
         }
         // a backend that holds the state but cannot run the op as configured (its kernels lack the op's memory
@@ -159,9 +168,10 @@ bool llama_h2o_check_placement(ggml_backend_sched_t sched, ggml_cgraph * gf, boo
             ggml_backend_t other = ggml_backend_sched_get_backend(sched, b);
             if (other != backend && ggml_backend_supports_buft(other, ggml_backend_buffer_get_type(state_buf)) &&
                 !ggml_backend_supports_op(other, node)) {
-                LLAMA_LOG_ERROR("%s: H2O: %s holds the state of %s but cannot run it with h2o_select = %d: its H2O kernels "
-                        "do not implement that memory selection. Choose another h2o_select, or keep those layers on the CPU "
-                        "(n_gpu_layers)\n", __func__, ggml_backend_name(other), node->name, ((const int32_t *) node->op_params)[GGML_H2O_ATTN_SELECT]);
+                LLAMA_LOG_ERROR("%s: H2O: %s holds the state of %s but cannot run it with %s: its H2O kernels do not "
+                        "implement it. Choose another h2o_select (or full decode, h2o_decode_budget = 0), or keep those "
+                        "layers on the CPU (n_gpu_layers)\n", __func__, ggml_backend_name(other), node->name,
+                        llama_h2o_op_config(node).c_str());
                 return false;
             }
         }

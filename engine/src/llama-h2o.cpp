@@ -68,7 +68,7 @@ int32_t llama_h2o_set_seq_select(llama_context * ctx, llama_seq_id seq_id, enum 
         return LLAMA_H2O_STATUS_INVALID_SEQ;
     }
 
-    if (select < LLAMA_H2O_SELECT_SEED || select > LLAMA_H2O_SELECT_COVERAGE ||
+    if (!llama_h2o_select_known(select) ||
         n_sink < 0 || (uint32_t) n_sink > kv->h2o().n_heavy() || n_dense_tail < 0 || (uint32_t) n_dense_tail > kv->get_size()) {
         return LLAMA_H2O_STATUS_INVALID_SELECT;
     }

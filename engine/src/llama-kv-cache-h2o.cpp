@@ -812,6 +812,12 @@ void llama_kv_cache_h2o::state_read_header(llama_io_read_i & io, llama_seq_id se
                 local, heavy, chunk, local_window, heavy_budget, chunk_size));
     }
 
+    if (!llama_h2o_select_known((int) select)) {
+        throw std::runtime_error(format("the state was saved with h2o_select = %u, a policy this build no longer runs "
+                "(1 and 2, whole blocks by the chunk's own queries, were retired): its scores and memory sets follow "
+                "that policy, so it cannot continue here; evaluate its tokens again", select));
+    }
+
     for (uint32_t s : llama_h2o_state_streams(kv.seq_to_stream, kv.n_stream, seq_id)) {
         const auto & hs = strm[s];
         if (select != (uint32_t) hs.select || sink != hs.n_sink) {

@@ -26,6 +26,12 @@ struct llama_ubatch;
 static constexpr uint32_t LLAMA_H2O_STATE_MAGIC   = 0x534f3248;
 static constexpr uint32_t LLAMA_H2O_STATE_VERSION = 4; // 2: with prompt_end, 3: per stream, 4: with the prefill's counts
 
+// the policies this build runs: 1 and 2 were retired and their numbers are not reused, so that a state saved under one
+// of them is refused by its number
+static inline bool llama_h2o_select_known(int select) {
+    return select == LLAMA_H2O_SELECT_SEED || select == LLAMA_H2O_SELECT_HYBRID || select == LLAMA_H2O_SELECT_COVERAGE;
+}
+
 //
 // H2O chunked sparse prefill (swa_type == LLAMA_SWA_TYPE_H2O)
 //

@@ -296,7 +296,13 @@ fn bad_input_gives_a_clear_error_and_exit_code() {
         (
             &["-p", "x", "--h2o-select", "nope"],
             2,
-            "unknown H2O selection policy \"nope\": use one of seed, query, query-mean, hybrid, coverage",
+            "unknown H2O selection policy \"nope\": use one of seed, hybrid, coverage",
+        ),
+        (
+            &["-p", "x", "--h2o-select", "query-mean"],
+            2,
+            "the H2O selection policy \"query-mean\" was retired: it lost to hybrid on every text \
+             measured; use hybrid",
         ),
         (
             &[

@@ -94,9 +94,9 @@ impl DecodeMode {
 #[derive(Args, Debug, Clone, Copy)]
 pub struct H2oPolicy {
     /// H2O: how the heavy part of the memory is chosen: seed (the seed rule: accumulated past
-    /// attention; also taken as h2o), query (blocks by the chunk's own queries, key bounds), query-mean (same, mean
-    /// keys), hybrid (half query, half accumulated attention), coverage (each tile of 64 queries
-    /// its own memory from sampled queries; budgets shared by the heads where they cover most)
+    /// attention; also taken as h2o), hybrid (half blocks of 16 by the chunk's own queries, half
+    /// accumulated attention), coverage (each tile of 64 queries its own memory from sampled
+    /// queries; budgets shared by the heads where they cover most)
     #[arg(long = "h2o-select", value_name = "POLICY", default_value_t = H2oConfig::RECOMMENDED_SELECT)]
     pub select: Selection,
     /// H2O: the last T tokens of a prompt attend to the whole prompt (a longer tail than the
@@ -812,7 +812,7 @@ mod tests {
             "--h2o-sink",
             "8",
             "--h2o-select",
-            "query",
+            "hybrid",
             "--h2o-dense-tail",
             "9",
         ]);

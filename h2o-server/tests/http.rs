@@ -1101,7 +1101,7 @@ fn bad_flags_exit_with_a_message_naming_the_flag() {
         (
             vec!["--h2o-select", "nope"],
             2,
-            "unknown H2O selection policy \"nope\": use one of seed, query, query-mean, hybrid, coverage",
+            "unknown H2O selection policy \"nope\": use one of seed, hybrid, coverage",
         ),
         (vec!["--port", "70000"], 2, "70000"),
         (vec!["--no-such-flag"], 2, "--no-such-flag"),

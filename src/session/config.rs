@@ -5,47 +5,37 @@ use crate::cache_type::CacheType;
 use crate::error::{Error, Result};
 use crate::model::Model;
 
-/// How a chunk chooses the heavy part of its memory (`--h2o-select`).
+/// How a chunk chooses the heavy part of its memory (`--h2o-select`). The discriminants are
+/// llama.cpp's `llama_h2o_select` (what [`AttentionCapture::select`](crate::AttentionCapture)
+/// reports); 1 and 2 belonged to retired policies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Selection {
     /// The seed rule (`seed`; `h2o` is taken too, its name before): after each chunk, the
     /// positions with the highest attention accumulated from earlier queries.
     #[default]
-    Seed,
-    /// `query`: each chunk picks blocks of 16 earlier positions by how strongly its own queries
-    /// may attend to them, bounded per channel by the block's key minima and maxima.
-    Query,
-    /// `query-mean`: as `query`, against each block's mean key.
-    QueryMean,
-    /// `hybrid`: half of the budget as `query`, the other half by accumulated attention (the seed
-    /// rule's scores) among all other earlier positions.
-    Hybrid,
+    Seed = 0,
+    /// `hybrid`: half of the budget as blocks of 16 earlier positions that the chunk's own queries
+    /// may attend to most (bounded per channel by each block's key minima and maxima), the other
+    /// half by accumulated attention (the seed rule's scores) among all other earlier positions.
+    Hybrid = 3,
     /// `coverage` (recommended): every tile of 64 queries chooses its own memory, position by
     /// position: its sampled queries' attention on a key sketch proposes candidates and the
     /// whole tile's attention ranks them; the heavy budget is shared by all heads' tiles of a
     /// chunk and goes where it covers the most estimated attention, until a tile's estimate
     /// reaches [`H2oConfig::coverage`] (see docs/results/coverage/README.md).
-    Coverage,
+    Coverage = 4,
 }
 
 impl Selection {
     /// Every policy, in the order the CLI lists them.
-    pub const ALL: [Selection; 5] = [
-        Selection::Seed,
-        Selection::Query,
-        Selection::QueryMean,
-        Selection::Hybrid,
-        Selection::Coverage,
-    ];
+    pub const ALL: [Selection; 3] = [Selection::Seed, Selection::Hybrid, Selection::Coverage];
 
     /// The name `--h2o-select` takes.
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {
             Selection::Seed => "seed",
-            Selection::Query => "query",
-            Selection::QueryMean => "query-mean",
             Selection::Hybrid => "hybrid",
             Selection::Coverage => "coverage",
         }
@@ -55,8 +45,6 @@ impl Selection {
     pub(crate) fn to_sys(self) -> crate::sys::llama_h2o_select {
         match self {
             Selection::Seed => crate::sys::LLAMA_H2O_SELECT_SEED,
-            Selection::Query => crate::sys::LLAMA_H2O_SELECT_QUERY,
-            Selection::QueryMean => crate::sys::LLAMA_H2O_SELECT_QUERY_MEAN,
             Selection::Hybrid => crate::sys::LLAMA_H2O_SELECT_HYBRID,
             Selection::Coverage => crate::sys::LLAMA_H2O_SELECT_COVERAGE,
         }
@@ -69,6 +57,10 @@ impl std::fmt::Display for Selection {
     }
 }
 
+/// Policies earlier versions took (whole blocks chosen by the chunk's own queries), named in the
+/// error that refuses them.
+const RETIRED: [&str; 2] = ["query", "query-mean"];
+
 impl std::str::FromStr for Selection {
     type Err = Error;
 
@@ -76,6 +68,12 @@ impl std::str::FromStr for Selection {
         // the seed rule's name before it was `seed`, kept for command lines and scripts
         if s == "h2o" {
             return Ok(Selection::Seed);
+        }
+        if RETIRED.contains(&s) {
+            return Err(Error::InvalidConfig(format!(
+                "the H2O selection policy {s:?} was retired: it lost to hybrid on every text measured; \
+                 use hybrid (half of its budget chosen the same way) or coverage"
+            )));
         }
         Selection::ALL
             .into_iter()
@@ -574,7 +572,30 @@ impl SessionConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::H2oConfig;
+    use super::{H2oConfig, Selection};
+
+    #[test]
+    fn policies_parse_by_name_and_retired_ones_are_refused_naming_what_replaces_them() {
+        for p in Selection::ALL {
+            assert_eq!(p.name().parse::<Selection>().unwrap(), p);
+            #[cfg(not(feature = "stock"))]
+            assert_eq!(
+                p as u32,
+                p.to_sys(),
+                "{p}: the discriminant is llama.cpp's value"
+            );
+        }
+        assert_eq!("h2o".parse::<Selection>().unwrap(), Selection::Seed);
+        for retired in ["query", "query-mean"] {
+            let err = retired.parse::<Selection>().unwrap_err().to_string();
+            assert!(
+                err.contains("was retired") && err.contains("use hybrid"),
+                "{err}"
+            );
+        }
+        let err = "nope".parse::<Selection>().unwrap_err().to_string();
+        assert!(err.contains("use one of seed, hybrid, coverage"), "{err}");
+    }
 
     #[test]
     fn decode_keys_count_what_a_sparse_step_reads() {

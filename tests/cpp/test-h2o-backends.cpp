@@ -251,17 +251,17 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
                     run_call(cpu, ref_st, sh, q, S, S + 7, 0, -1), run_call(other, got_st, sh, q, S, S + 7, 0, -1), sh, max_v, exact);
         }
     }
-    // memory selection: sinks under the seed rule; query-aware blocks (both summaries) with a dense tail
+    // memory selection: sinks under the seed rule; the hybrid with and without sinks, each with a dense tail
     const struct {
         const char    * what;
         ggml_h2o_select select;
         int32_t         n_sink;
         int32_t         tail_start;
     } policies[] = {
-        { "one call, seed rule with 4 sinks",                    GGML_H2O_SELECT_SEED,        4, INT32_MAX },
-        { "one call, query-aware (bounds), 4 sinks, tail of 24", GGML_H2O_SELECT_QUERY,      4, 3*S + 16  },
-        { "one call, query-aware (means), tail of 60",           GGML_H2O_SELECT_QUERY_MEAN, 0, 3*S - 20  },
-        { "one call, hybrid, 4 sinks, tail of 24",               GGML_H2O_SELECT_HYBRID,     4, 3*S + 16  },
+        { "one call, seed rule with 4 sinks",      GGML_H2O_SELECT_SEED,   4, INT32_MAX },
+        { "one call, seed rule, tail of 24",       GGML_H2O_SELECT_SEED,   0, 3*S + 16  },
+        { "one call, hybrid, no sinks, tail of 60", GGML_H2O_SELECT_HYBRID, 0, 3*S - 20  },
+        { "one call, hybrid, 4 sinks, tail of 24", GGML_H2O_SELECT_HYBRID, 4, 3*S + 16  },
     };
     for (const auto & p : policies) {
         state ref_st(cpu, sh, kv_k, kv_v);
@@ -271,18 +271,18 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
                 run_call(cpu,   ref_st, sh, q, 0, n, -1, -1, p.select, p.n_sink, p.tail_start),
                 run_call(other, got_st, sh, q, 0, n, -1, -1, p.select, p.n_sink, p.tail_start), sh, max_v, exact);
     }
-    // query-aware selection across two calls that split chunk 1: the second part chooses again, after the
-    // first part's memory sums went to their scores (the state after call 1: mem_chunk 0, acc_chunk 1)
+    // the hybrid across two calls that split chunk 1: the second part chooses its blocks again, after the first
+    // part's memory sums went to their scores (the state after call 1: mem_chunk 0, acc_chunk 1)
     {
         state ref_st(cpu, sh, kv_k, kv_v);
         state got_st(other, sh, kv_k, kv_v);
         const int32_t n1 = S + 50;
         const int32_t n2 = 2*S + 40 - n1;
-        const ggml_h2o_select qs = GGML_H2O_SELECT_QUERY;
-        if (compare("query-aware, call 1 of 2 ending inside chunk 1", name,
+        const ggml_h2o_select qs = GGML_H2O_SELECT_HYBRID;
+        if (compare("hybrid, call 1 of 2 ending inside chunk 1", name,
                     run_call(cpu, ref_st, sh, q, 0, n1, -1, -1, qs, 4), run_call(other, got_st, sh, q, 0, n1, -1, -1, qs, 4),
                     sh, max_v, exact)) {
-            compare("query-aware, call 2 of 2 continuing chunk 1", name,
+            compare("hybrid, call 2 of 2 continuing chunk 1", name,
                     run_call(cpu, ref_st, sh, q, n1, n2, 0, 1, qs, 4), run_call(other, got_st, sh, q, n1, n2, 0, 1, qs, 4),
                     sh, max_v, exact);
         }
@@ -291,7 +291,7 @@ void run_cases(ggml_backend_t cpu, ggml_backend_t other, const char * name, cons
 
 // GGML_H2O_SELECT_COVERAGE: every head's tiles estimate, then all threads (or GPU blocks) share one allocation. On
 // the CPU with three threads against one it must be bit-identical (the barrier and the shared estimates at work). A
-// GPU must agree with the CPU as the query-aware cases do: its sums run in another order, so a near-tie may rank
+// GPU must agree with the CPU as the hybrid's cases do: its sums run in another order, so a near-tie may rank
 // two candidates, or give a budget step, the other way. Five comparisons (tests/kv_cache_cpp.rs counts them) that
 // cover both ways a chunk's candidates are proposed (S = 128, 4 H = 128: chunk 1 proposes all of them, chunks 2 and 3
 // choose by the sampled queries), 4, 16 and 32 samples per tile and a tile whose rows hold no sampled one (one sample

@@ -49,13 +49,12 @@ extern "C" {
     enum ggml_h2o_select {
         // the seed rule: after chunk c, the positions with the highest accumulated attention of earlier queries
         GGML_H2O_SELECT_SEED       = 0,
-        // chunk c picks blocks of GGML_H2O_BLOCK positions by how strongly its own queries may attend to them:
-        // each key block is summarised per channel by its minimum and maximum, which bound q.k from above
-        GGML_H2O_SELECT_QUERY      = 1,
-        // as above, with each key block summarised by its mean key
-        GGML_H2O_SELECT_QUERY_MEAN = 2,
-        // half of the heavy budget as GGML_H2O_SELECT_QUERY, the other half by accumulated attention (the seed
-        // rule's scores) among all other earlier positions
+        // 1 and 2 chose whole blocks by the chunk's own queries alone; they lost to the hybrid everywhere measured and
+        // were retired. Their numbers are not reused: saved states name a policy by its number.
+
+        // half of the heavy budget as blocks of GGML_H2O_BLOCK positions that chunk c's own queries may attend to
+        // most (each key block summarised per channel by its minimum and maximum, which bound q.k from above), the
+        // other half by accumulated attention (the seed rule's scores) among all other earlier positions
         GGML_H2O_SELECT_HYBRID     = 3,
         // every tile of GGML_H2O_TILE queries chooses its own memory, position by position, from the exact
         // attention of a few of its queries; the tiles of all heads of a chunk share the heavy budget, spent where

@@ -79,7 +79,7 @@ void ggml_h2o_attn_set_select(
         int32_t               n_sink,
         int32_t               tail_start) {
     GGML_ASSERT(a->op == GGML_OP_H2O_ATTN);
-    GGML_ASSERT(select >= GGML_H2O_SELECT_SEED && select <= GGML_H2O_SELECT_COVERAGE);
+    GGML_ASSERT(select == GGML_H2O_SELECT_SEED || select == GGML_H2O_SELECT_HYBRID || select == GGML_H2O_SELECT_COVERAGE);
     GGML_ASSERT(n_sink >= 0 && n_sink <= ggml_get_op_params_i32(a, GGML_H2O_ATTN_HEAVY)); // inside the heavy budget
     GGML_ASSERT(tail_start >= 0);
 

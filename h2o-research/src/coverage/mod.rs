@@ -271,9 +271,8 @@ pub struct Report {
 }
 
 /// Today's policies, run by the reference on the captured layer.
-const POLICIES: [(&str, Selection, usize); 3] = [
+const POLICIES: [(&str, Selection, usize); 2] = [
     ("today: seed rule (h2o, sink 0)", Selection::Seed, 0),
-    ("today: query (sink)", Selection::Query, usize::MAX),
     (
         "today: hybrid (sink), the default",
         Selection::Hybrid,

@@ -27,10 +27,10 @@ pub use memory::{build_memory_set, MemorySet};
 pub use select::{
     query_sample, select_by_query, QuerySelection, SAMPLE_LAST, SAMPLE_STRIDE, SELECT_BLOCK,
 };
+pub(crate) use softmax::attend;
 pub use softmax::{
     apply_sink, dense_attention, merge_partial_softmax, Logits, Matrix, PartialSoftmax,
 };
-pub(crate) use softmax::{attend, dot};
 pub use tiles::{
     h2o_attention_coverage, select_by_tiles, tile_samples, tiles_of, CoverageParams, TileMemory,
     BUDGET_STEP, MAX_HEAVY_FACTOR, TILE,

@@ -1,10 +1,9 @@
-//! Query-aware selection in the reference: the memory a chunk's own queries choose
-//! ([`Selection::Query`], [`Selection::QueryMean`], and the block half of [`Selection::Hybrid`]),
-//! written for readability like the rest of the reference.
+//! The block half of [`Selection::Hybrid`] in the reference: the memory a chunk's own queries
+//! choose, written for readability like the rest of the reference.
 
 use std::ops::Range;
 
-use super::{dot, H2oParams, Matrix, MemorySet, Selection};
+use super::{H2oParams, Matrix, MemorySet, Selection};
 
 /// Positions per block of query-aware selection (`GGML_H2O_BLOCK`).
 pub const SELECT_BLOCK: usize = 16;
@@ -33,16 +32,14 @@ pub struct QuerySelection {
     pub blocks: Vec<(usize, f64)>,
 }
 
-/// The memory of the chunk starting at `chunk_start` under [`Selection::Query`] or
-/// [`Selection::QueryMean`]: Local `[start − L, start)`, Sink `[0, sink)`, and the best blocks of
-/// [`SELECT_BLOCK`] positions of `[sink, start − L)` until `H − |Sink|` positions are taken
-/// (a block that does not fit is cut). A block's score is the sum over the sampled queries
-/// (`sample`, rows of `q`) of its share in a softmax over the blocks of `scale · q·k̂`, where
-/// `q·k̂` is the per-channel upper bound `Σ_d max(q_d·min_d, q_d·max_d)` of the block's keys
-/// (`Query`, `Hybrid`) or the product with their mean (`QueryMean`). Under [`Selection::Hybrid`]
-/// the blocks fill only `⌈(H − |Sink|)/2⌉` positions; the rest go to the candidates outside
-/// the taken blocks with the highest `scores` (the seed rule's accumulated attention), ties to
-/// the lower position. The bounds are plain scaled products: an estimate of where attention
+/// The memory of the chunk starting at `chunk_start` under [`Selection::Hybrid`]: Local
+/// `[start − L, start)`, Sink `[0, sink)`, the best blocks of [`SELECT_BLOCK`] positions of
+/// `[sink, start − L)` until `⌈(H − |Sink|)/2⌉` positions are taken (a block that does not fit
+/// is cut), and the candidates outside the taken blocks with the highest `scores` (the seed
+/// rule's accumulated attention, one per position) for the rest, ties to the lower position. A
+/// block's score is the sum over the sampled queries (`sample`, rows of `q`) of its share in a
+/// softmax over the blocks of `scale · q·k̂`, where `q·k̂` is the per-channel upper bound
+/// `Σ_d max(q_d·min_d, q_d·max_d)` of the block's keys. The bounds are plain scaled products: an estimate of where attention
 /// goes, which a model's logit soft-cap (monotone) would only flatten, so the engine and this
 /// reference leave it out here.
 #[must_use]
@@ -59,11 +56,8 @@ pub fn select_by_query(
     let sink_end = params.sink.min(local.start);
     let candidates = sink_end..local.start;
     let budget = params.heavy.saturating_sub(sink_end);
-    let by_score = if params.select == Selection::Hybrid {
-        budget / 2
-    } else {
-        0
-    };
+    debug_assert_eq!(params.select, Selection::Hybrid);
+    let by_score = budget / 2;
     let mut positions: Vec<usize> = (0..sink_end).chain(local).collect();
     let mut blocks = Vec::new();
     if candidates.len() <= budget {
@@ -72,7 +66,7 @@ pub fn select_by_query(
         let ranges = block_ranges(&candidates);
         let summaries: Vec<BlockSummary> = ranges
             .iter()
-            .map(|r| BlockSummary::of(k, r.clone(), params.select))
+            .map(|r| BlockSummary::of(k, r.clone()))
             .collect();
         let score = block_shares(q, scale, sample, &summaries);
         let in_blocks = take_blocks(&ranges, &score, budget - by_score);
@@ -106,27 +100,15 @@ fn block_ranges(candidates: &Range<usize>) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// What a query sees of a block of keys.
-enum BlockSummary {
-    /// per-channel minimum and maximum (`Query`, `Hybrid`)
-    Bounds { lo: Vec<f64>, hi: Vec<f64> },
-    /// the mean key (`QueryMean`)
-    Mean(Vec<f64>),
+/// What a query sees of a block of keys: its per-channel minimum and maximum.
+struct BlockSummary {
+    lo: Vec<f64>,
+    hi: Vec<f64>,
 }
 
 impl BlockSummary {
-    fn of(k: &Matrix, block: Range<usize>, select: Selection) -> Self {
+    fn of(k: &Matrix, block: Range<usize>) -> Self {
         let d = k.cols;
-        if select == Selection::QueryMean {
-            let mut mean = vec![0.0; d];
-            for j in block.clone() {
-                for (m, x) in mean.iter_mut().zip(k.row(j)) {
-                    *m += x;
-                }
-            }
-            let n = block.len() as f64;
-            return Self::Mean(mean.iter().map(|m| m / n).collect());
-        }
         let mut lo = vec![f64::INFINITY; d];
         let mut hi = vec![f64::NEG_INFINITY; d];
         for j in block {
@@ -135,20 +117,16 @@ impl BlockSummary {
                 *h = h.max(x);
             }
         }
-        Self::Bounds { lo, hi }
+        Self { lo, hi }
     }
 
     /// The logit `qi · k̂` of a (scaled) query against the block: the upper bound
-    /// `Σ_d max(q_d·lo_d, q_d·hi_d)`, or the product with the mean key.
+    /// `Σ_d max(q_d·lo_d, q_d·hi_d)`.
     fn logit(&self, qi: &[f64]) -> f64 {
-        match self {
-            Self::Mean(mean) => dot(qi, mean),
-            Self::Bounds { lo, hi } => qi
-                .iter()
-                .zip(lo.iter().zip(hi))
-                .map(|(x, (l, h))| (x * l).max(x * h))
-                .sum(),
-        }
+        qi.iter()
+            .zip(self.lo.iter().zip(&self.hi))
+            .map(|(x, (l, h))| (x * l).max(x * h))
+            .sum()
     }
 }
 
@@ -207,9 +185,10 @@ mod tests {
     const D: usize = 8;
 
     #[test]
-    fn query_selection_keeps_local_sinks_and_the_block_the_queries_point_at() {
+    fn hybrid_keeps_local_sinks_the_block_the_queries_point_at_and_the_best_scores() {
         // keys 0..96 random but small; block [48, 64) gets keys along the direction every
-        // query of chunk 96..128 looks in, so it must be chosen whatever else happens
+        // query of chunk 96..128 looks in, so it must be chosen whatever else happens; the
+        // accumulated scores favour [20, 38), which fills the other half of the budget
         let n = 128;
         let mut k = matrix(11, n, D, 0.1);
         let mut q = matrix(12, n, D, 0.1);
@@ -219,24 +198,27 @@ mod tests {
         for i in 96..128 {
             q.data[i * D] = 4.0;
         }
-        for select in [Selection::Query, Selection::QueryMean] {
-            let params = H2oParams {
-                chunk: 32,
-                local: 8,
-                heavy: 24,
-                select,
-                sink: 4,
-                ..Default::default()
-            };
-            let sel = select_by_query(&params, &q, &k, 0.125, 96, &query_sample(96..128), &[]);
-            let pos: Vec<usize> = sel.set.positions().collect();
-            assert_eq!(pos.len(), 32, "{select}: {pos:?}");
-            for p in (0..4).chain(88..96).chain(48..64) {
-                assert!(pos.contains(&p), "{select}: {p} missing from {pos:?}");
-            }
-            // the sample: the last 32 rows of the chunk part, no more here
-            assert_eq!(query_sample(96..128).len(), 32);
+        let scores: Vec<f64> = (0..n)
+            .map(|p| f64::from(u8::from((20..38).contains(&p))))
+            .collect();
+        let params = H2oParams {
+            chunk: 32,
+            local: 8,
+            heavy: 40, // 36 after the sinks: 18 in blocks, 18 by score
+            select: Selection::Hybrid,
+            sink: 4,
+            ..Default::default()
+        };
+        let sel = select_by_query(&params, &q, &k, 0.125, 96, &query_sample(96..128), &scores);
+        let pos: Vec<usize> = sel.set.positions().collect();
+        assert_eq!(pos.len(), 48, "{pos:?}");
+        for p in (0..4).chain(88..96).chain(48..64).chain(20..38) {
+            assert!(pos.contains(&p), "{p} missing from {pos:?}");
         }
+        // the block half took [48, 64) and two positions of one more block: the rest, 18, by score
+        assert_eq!(pos.iter().filter(|p| (4..88).contains(*p)).count(), 36);
+        // the sample: the last 32 rows of the chunk part, no more here
+        assert_eq!(query_sample(96..128).len(), 32);
         // with more rows than SAMPLE_LAST, the rest is sampled by stride, all inside the rows
         let sample = query_sample(100..300);
         assert_eq!(sample.len(), SAMPLE_LAST + SAMPLE_STRIDE);

@@ -1,6 +1,7 @@
 //! Unit tests of the reference against dense attention and the seed rule's definitions
 //! (docs/seed-rule.md).
 
+use super::softmax::dot;
 use super::*;
 
 /// Deterministic pseudo-random values in [-1, 1).

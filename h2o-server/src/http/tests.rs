@@ -960,7 +960,7 @@ async fn request_fields_reach_the_job() {
         .post_json(
             "/v1/chat/completions",
             &json!({"messages": user("x"), "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "seed": 42,
-                    "stop": ["\n\n", "END"], "h2o_select": "query", "h2o_sink": 2, "h2o_dense_tail": 32,
+                    "stop": ["\n\n", "END"], "h2o_select": "hybrid", "h2o_sink": 2, "h2o_dense_tail": 32,
                     "frequency_penalty": 0.1, "user": "ignored"}),
         )
         .await;
@@ -974,7 +974,7 @@ async fn request_fields_reach_the_job() {
         job.sampling.stop,
         vec!["\n\n".to_string(), "END".to_string()]
     );
-    assert_eq!(job.h2o.select, Some(h2o_llama::Selection::Query));
+    assert_eq!(job.h2o.select, Some(h2o_llama::Selection::Hybrid));
     assert_eq!(job.h2o.sink, Some(2));
     assert_eq!(job.h2o.dense_tail, Some(32));
 }

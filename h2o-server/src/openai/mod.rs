@@ -687,11 +687,11 @@ mod tests {
     fn h2o_overrides_follow_the_library_names_and_the_server_budget() {
         let user = serde_json::json!([{"role": "user", "content": "x"}]);
         let (job, _) = chat(
-            serde_json::json!({"messages": user, "h2o_select": "query-mean", "h2o_sink": 16, "h2o_dense_tail": 0}),
+            serde_json::json!({"messages": user, "h2o_select": "seed", "h2o_sink": 16, "h2o_dense_tail": 0}),
             true,
         )
         .unwrap();
-        assert_eq!(job.h2o.select, Some(Selection::QueryMean));
+        assert_eq!(job.h2o.select, Some(Selection::Seed));
         assert_eq!(job.h2o.sink, Some(16));
         assert_eq!(job.h2o.dense_tail, Some(0));
         for s in Selection::ALL {
@@ -708,8 +708,17 @@ mod tests {
         )
         .unwrap_err();
         assert!(
+            e.message.contains("use one of seed, hybrid, coverage"),
+            "{}",
             e.message
-                .contains("use one of seed, query, query-mean, hybrid, coverage"),
+        );
+        let e = chat(
+            serde_json::json!({"messages": user, "h2o_select": "query"}),
+            true,
+        )
+        .unwrap_err();
+        assert!(
+            e.message.contains("was retired") && e.message.contains("use hybrid"),
             "{}",
             e.message
         );

@@ -1,6 +1,6 @@
 // GGML_OP_H2O_ATTN on the CPU: the chunked sparse prefill attention of one layer, the memory
-// selection policies that give a chunk one memory set (the seed rule, query-aware blocks, the
-// hybrid) and the scores it keeps (see ggml_h2o_attn in ggml-h2o.h). Coverage selection, which gives
+// selection policies that give a chunk one memory set (the seed rule and the hybrid) and the
+// scores it keeps (see ggml_h2o_attn in ggml-h2o.h). Coverage selection, which gives
 // each tile of the chunk its own, is in h2o-coverage.cpp; the tiled attention both run, in h2o-tile.h.
 
 #include "ops.h"
@@ -19,12 +19,13 @@
 
 // ggml_compute_forward_h2o_attn
 
-// Query-aware selection (GGML_H2O_SELECT_QUERY*): the memory of chunk c is its Local window [cs - L, cs), the
-// sinks [0, n_sink), and whole blocks of GGML_H2O_BLOCK earlier positions chosen by chunk c's own queries. Each
-// block is summarised per channel (minimum and maximum, or mean) once per call; a sample of the chunk's queries
-// (the last ones, where a question usually is, and a stride over the rest) scores every block: the bound (or
-// mean) logits of one query go through a softmax over the blocks, and a block's score is the sum over the
-// sample of its share. The best blocks fill the heavy budget, ties to the lower position.
+// Selection by the chunk's own queries (GGML_H2O_SELECT_HYBRID): the memory of chunk c is its Local window
+// [cs - L, cs), the sinks [0, n_sink), whole blocks of GGML_H2O_BLOCK earlier positions chosen by chunk c's own
+// queries for half of the heavy budget, and the best accumulated scores for the rest. Each block is summarised per
+// channel (minimum and maximum) once per call; a sample of the chunk's queries (the last ones, where a question
+// usually is, and a stride over the rest) scores every block: the bound logits of one query go through a softmax
+// over the blocks, and a block's score is the sum over the sample of its share. The best blocks fill their half of
+// the budget, ties to the lower position.
 static constexpr int64_t H2O_SAMPLE_LAST   = 32;
 static constexpr int64_t H2O_SAMPLE_STRIDE = 32;
 
@@ -46,13 +47,13 @@ static void h2o_query_sample(std::vector<int64_t> & rows, int64_t r_begin, int64
 // Block summaries of one head, kept while its chunks are walked: the keys of a complete block never change, so
 // each chunk only summarises the blocks the previous one had not completed. reset() before every head.
 struct h2o_block_summary {
-    std::vector<float> lo;     // [n_blocks][D]: channel minimum (mean for GGML_H2O_SELECT_QUERY_MEAN)
+    std::vector<float> lo;     // [n_blocks][D]: channel minimum
     std::vector<float> hi;     // [n_blocks][D]: channel maximum
     int32_t b0     = 0;        // the first block
     int32_t n_full = 0;        // blocks b0 .. b0 + n_full - 1 were complete when summarised
     std::vector<float> lo_t;   // [D][n_blocks], for the products
     std::vector<float> hi_t;
-    std::vector<float> q_pos;  // [n_q][D]: max(q, 0) (q itself for means)
+    std::vector<float> q_pos;  // [n_q][D]: max(q, 0)
     std::vector<float> q_neg;  // [n_q][D]: min(q, 0)
     std::vector<float> logit;  // [n_q][n_blocks]
     std::vector<float> score;  // [n_blocks]
@@ -61,12 +62,11 @@ struct h2o_block_summary {
     void reset() { n_full = 0; }
 };
 
-// memory of chunk cs.. for one head: Local + Sink + the best blocks of [n_sink, cs - L), ascending, -1 after.
+// memory of chunk cs.. for one head: Local + Sink + the best blocks of [n_sink, cs - L) for half of the budget and
+// the positions with the highest accumulated scores among the other candidates for the rest, ascending, -1 after.
 // q_rows holds the sampled queries, pre-scaled, [n_q][D]; key row pos is at k_head + pos*nb_pos, of type kt.
-// With scores (GGML_H2O_SELECT_HYBRID), blocks fill half of the budget and the positions with the highest
-// accumulated scores among the other candidates the rest.
 static H2O_NOINLINE void h2o_select_by_query(int32_t * mem, int32_t M, int32_t L, int32_t H, int32_t n_sink, int32_t cs,
-        bool mean, const float * q_rows, int64_t n_q, int64_t D, const char * k_head, size_t nb_pos,
+        const float * q_rows, int64_t n_q, int64_t D, const char * k_head, size_t nb_pos,
         const h2o_row_type & kt, const ggml_bf16_t * scores, h2o_block_summary & bs) {
     const auto k_row = [&](int64_t pos) { return (const void *) (k_head + pos*nb_pos); };
 
@@ -75,7 +75,7 @@ static H2O_NOINLINE void h2o_select_by_query(int32_t * mem, int32_t M, int32_t L
     const int32_t cand_begin  = sink_end;
     const int32_t cand_end    = local_start;
     const int32_t budget      = std::max(H - sink_end, 0);
-    const int32_t by_score    = scores ? budget/2 : 0;
+    const int32_t by_score    = budget/2;
 
     std::vector<int32_t> result;
     result.reserve(M);
@@ -109,21 +109,14 @@ static H2O_NOINLINE void h2o_select_by_query(int32_t * mem, int32_t M, int32_t L
             const int32_t p_end   = std::min((b0 + b + 1)*GGML_H2O_BLOCK, cand_end);
             float * lo = bs.lo.data() + (size_t) b*D;
             float * hi = bs.hi.data() + (size_t) b*D;
-            std::fill(lo, lo + D, mean ? 0.0f :  INFINITY);
-            std::fill(hi, hi + D, mean ? 0.0f : -INFINITY);
+            std::fill(lo, lo + D,  INFINITY);
+            std::fill(hi, hi + D, -INFINITY);
             for (int32_t pos = p_begin; pos < p_end; ++pos) {
                 kt.to_f32(k_row(pos), kf.data(), D);
-                if (mean) {
-                    ggml_vec_acc_f32((int) D, lo, kf.data());
-                } else {
-                    for (int64_t d = 0; d < D; ++d) {
-                        lo[d] = kf[d] < lo[d] ? kf[d] : lo[d];
-                        hi[d] = kf[d] > hi[d] ? kf[d] : hi[d];
-                    }
+                for (int64_t d = 0; d < D; ++d) {
+                    lo[d] = kf[d] < lo[d] ? kf[d] : lo[d];
+                    hi[d] = kf[d] > hi[d] ? kf[d] : hi[d];
                 }
-            }
-            if (mean) {
-                ggml_vec_scale_f32((int) D, lo, 1.0f/(p_end - p_begin));
             }
             if (n_full == b && p_end == (b0 + b + 1)*GGML_H2O_BLOCK) {
                 n_full = b + 1;
@@ -144,17 +137,13 @@ static H2O_NOINLINE void h2o_select_by_query(int32_t * mem, int32_t M, int32_t L
         bs.q_pos.resize((size_t) n_q*D);
         bs.q_neg.resize((size_t) n_q*D);
         for (int64_t e = 0; e < n_q*D; ++e) {
-            bs.q_pos[e] = mean ? q_rows[e] : std::max(q_rows[e], 0.0f);
+            bs.q_pos[e] = std::max(q_rows[e], 0.0f);
             bs.q_neg[e] = std::min(q_rows[e], 0.0f);
         }
         bs.logit.assign((size_t) n_q*nb, 0.0f);
         bs.score.assign(nb, 0.0f);
-        if (mean) {
-            simd_gemm(bs.logit.data(), bs.q_pos.data(), bs.lo_t.data(), (int) n_q, (int) D, nb);
-        } else {
-            simd_gemm(bs.logit.data(), bs.q_pos.data(), bs.hi_t.data(), (int) n_q, (int) D, nb);
-            simd_gemm(bs.logit.data(), bs.q_neg.data(), bs.lo_t.data(), (int) n_q, (int) D, nb);
-        }
+        simd_gemm(bs.logit.data(), bs.q_pos.data(), bs.hi_t.data(), (int) n_q, (int) D, nb);
+        simd_gemm(bs.logit.data(), bs.q_neg.data(), bs.lo_t.data(), (int) n_q, (int) D, nb);
         for (int64_t i = 0; i < n_q; ++i) {
             float * x = bs.logit.data() + (size_t) i*nb;
             const float mx = h2o_max(x, nb);
@@ -242,8 +231,7 @@ void ggml_compute_forward_h2o_attn(
         return;
     }
 
-    const bool by_query = select == GGML_H2O_SELECT_QUERY || select == GGML_H2O_SELECT_QUERY_MEAN ||
-        select == GGML_H2O_SELECT_HYBRID;
+    const bool by_query = select == GGML_H2O_SELECT_HYBRID;
 
     const int64_t D         = q->ne[0];
     const int64_t Dv        = v->ne[0];
@@ -262,7 +250,7 @@ void ggml_compute_forward_h2o_attn(
 
     // per-thread scratch, reused across calls
     thread_local std::vector<int32_t> masked; // memory slots (and padding) no query may attend to
-    thread_local std::vector<int64_t> sample; // query rows that choose a query-aware memory
+    thread_local std::vector<int64_t> sample; // query rows that choose the hybrid's blocks
     thread_local std::vector<float> q_sample; // [sample][D], pre-scaled
     thread_local h2o_block_summary blocks;
     thread_local h2o_tile_scratch tile;
@@ -301,7 +289,7 @@ void ggml_compute_forward_h2o_attn(
             h2o_settle(sc, acc_intra, mem, S, M, kv_size, c, c >= 1 && mem_chunk == c - 1);
         };
 
-        // M_c after chunk c; query-aware memories are chosen when the next chunk's queries are there instead
+        // M_c after chunk c; the hybrid's memories are chosen when the next chunk's queries are there instead
         const auto build = [&](int32_t c) {
             if (!by_query) {
                 ggml_h2o_build_memory_set(sc, mem, L, H, n_sink, c*S, (c + 1)*S, mem_chunk >= 0 && mem_chunk == c - 1);
@@ -326,9 +314,8 @@ void ggml_compute_forward_h2o_attn(
                 const float * qr = (const float *) ((const char *) q->data + (sample[r] - p0)*q->nb[2] + ih*q->nb[1]);
                 ggml_vec_scale_f32((int) D, (float *) memcpy(q_sample.data() + r*D, qr, D*sizeof(float)), scale);
             }
-            h2o_select_by_query(mem, M, L, H, n_sink, c*S, select == GGML_H2O_SELECT_QUERY_MEAN,
-                    q_sample.data(), (int64_t) sample.size(), D, (const char *) k->data + ikv*k->nb[1], k->nb[2], kt,
-                    select == GGML_H2O_SELECT_HYBRID ? sc : nullptr, blocks);
+            h2o_select_by_query(mem, M, L, H, n_sink, c*S, q_sample.data(), (int64_t) sample.size(), D,
+                    (const char *) k->data + ikv*k->nb[1], k->nb[2], kt, sc, blocks);
             mem_chunk = c - 1;
         };
 

@@ -2,7 +2,7 @@
 
 // The tiled attention that every policy of the sparse prefill (GGML_OP_H2O_ATTN) runs: query rows in tiles, keys
 // in packed blocks, a tile's attention to its chunk and to a memory merged by online softmax, the dense tail, and
-// the chunk's sums into the scores. h2o-attn.cpp (the seed rule, query-aware blocks, the hybrid) and
+// the chunk's sums into the scores. h2o-attn.cpp (the seed rule, the hybrid) and
 // h2o-coverage.cpp (coverage selection) include it.
 
 #include "ggml-cpu-impl.h"

@@ -12,7 +12,7 @@
 //   2. h2o_reduce_settle: adds the blocks' column sums, in block order, to the chunk's F32 sums; when the
 //      chunk is complete they enter the BF16 scores (seed rule item 4) and start again from zero;
 //   3. h2o_build (when the chunk is complete): M_c, the rule of ggml_h2o_build_memory_set.
-// With query-aware selection, h2o_select_query chooses the memory of chunk c from its own queries before step 1
+// With the hybrid, h2o_select_query chooses the memory of chunk c from its own queries before step 1
 // instead of step 3; queries of the dense tail run in h2o_attn_dense instead of step 1. With coverage selection every
 // tile of H2O_COV_TILE queries gets its own memory before step 1 (h2o_cuda_cover_select), step 1 reads each tile's,
 // and the memory sums go straight to the scores (h2o_cov_settle_memory).
@@ -46,8 +46,7 @@ struct h2o_cuda_args {
     int mem_chunk; // the chunk whose memory set mem holds (-1: none)
     int acc_chunk; // the chunk whose sums wait in acc (-1: none)
     float scale;
-    int select     = 0;         // ggml_h2o_select: 0 the seed rule, 1 query-aware (key bounds), 2 (mean keys), 3 hybrid,
-                                // 4 (H2O_COV_SELECT) coverage
+    int select     = 0;         // ggml_h2o_select: 0 the seed rule, 3 hybrid, 4 (H2O_COV_SELECT) coverage
     int n_sink     = 0;         // positions 0 .. n_sink - 1 always in memory
     int tail_start = INT32_MAX; // queries from here on attend to everything (INT32_MAX: none)
     float coverage = 1.0f;      // coverage selection: a tile takes no more budget once its estimate reaches this
@@ -81,9 +80,9 @@ struct h2o_cuda_plan {
     size_t attn_smem;
     size_t build_smem;
     size_t select_smem;
-    size_t partial_floats; // scratch for the blocks' column sums (and the block scores of query-aware selection, the
+    size_t partial_floats; // scratch for the blocks' column sums (and the block scores of the hybrid, the
                            // buffers of coverage selection: h2o_cov_layout)
-    int    n_blocks_max;   // query-aware selection: blocks of H2O_SELECT_BLOCK positions in the cache
+    int    n_blocks_max;   // the hybrid: blocks of H2O_SELECT_BLOCK positions in the cache
     // coverage selection
     int    cov_rank;       // R = H2O_COV_FACTOR*H: the candidates a tile ranks, at most
     int    cov_mem;        // Mt = n_sink + L + R: the memory slots of a tile
@@ -217,10 +216,10 @@ static const char * h2o_cuda_make_plan(const h2o_cuda_args & a, h2o_cuda_kernel 
     }
     if (a.select != 0 || a.tail_start != INT32_MAX) {
         if (a.D > H2O_SELECT_MAX_D || a.Dv > H2O_SELECT_MAX_D) {
-            return "query-aware selection and the dense tail serve head sizes up to 256";
+            return "memory selection and the dense tail serve head sizes up to 256";
         }
         if (a.H/H2O_SELECT_BLOCK + 2 > H2O_SELECT_MAX_PICK) {
-            return "query-aware selection serves heavy budgets up to 8160 positions";
+            return "memory selection serves heavy budgets up to 8160 positions";
         }
     }
     p.n_blocks_max = (a.kv_size + H2O_SELECT_BLOCK - 1)/H2O_SELECT_BLOCK;
@@ -405,7 +404,7 @@ static h2o_cuda_chunk_state h2o_cuda_run(const h2o_cuda_args & a, const h2o_cuda
         h2o_reduce_settle<<<reduce_grid, 256, 0, stream>>>(partial, n_parts, S + M, a.acc, a.nb_acc1, a.scores, a.nb_scores1,
                 a.mem, a.nb_mem1, S, M, c*S, a.kv_size, complete, with_memory);
     };
-    // M_c after chunk c; query-aware and coverage memories are chosen when the next chunk's queries are there instead
+    // M_c after chunk c; the hybrid and coverage memories are chosen when the next chunk's queries are there instead
     const auto build = [&](int c) {
         if (!by_query && !coverage) {
             const bool has_previous = mem_chunk >= 0 && mem_chunk == c - 1;
@@ -443,8 +442,7 @@ static h2o_cuda_chunk_state h2o_cuda_run(const h2o_cuda_args & a, const h2o_cuda
                     S, M, cs);
             h2o_select_query<<<a.n_head, H2O_SELECT_WARPS*H2O_WARP_SIZE, plan.select_smem, stream>>>(
                     a.q, a.k, a.mem, partial, a.scores, a.nbq1, a.nbq2, a.nbk1, a.nbk2, a.nb_mem1, a.nb_scores1,
-                    a.D, a.n_head/a.n_head_kv, a.L, a.H, a.n_sink, a.p0, cs, i_begin, i_end, a.scale, a.select == 2,
-                    a.select == 3, plan.n_blocks_max);
+                    a.D, a.n_head/a.n_head_kv, a.L, a.H, a.n_sink, a.p0, cs, i_begin, i_end, a.scale, plan.n_blocks_max);
             mem_chunk = c - 1;
         }
         if (c >= 1 && coverage) {

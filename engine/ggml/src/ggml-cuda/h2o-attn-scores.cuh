@@ -254,7 +254,7 @@ static __global__ void h2o_build(const uint16_t * scores, int32_t * mem,
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// h2o_flush_memory_sums: a chunk that continues in this call under query-aware selection gets a new memory;
+// h2o_flush_memory_sums: a chunk that continues in this call under the hybrid gets a new memory;
 // the sums its earlier part left for the old memory's slots go to their positions' scores first
 // ---------------------------------------------------------------------------------------------------------------
 

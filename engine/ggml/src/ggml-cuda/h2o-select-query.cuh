@@ -3,10 +3,10 @@
 #include "h2o-attn-scores.cuh"
 
 // ---------------------------------------------------------------------------------------------------------------
-// h2o_select_query: the memory of chunk cs.. for one head per block, chosen by the chunk's queries in this call
-// (the rule of h2o_select_by_query in ggml-cpu/ops.cpp): Local [cs - L, cs), Sink [0, n_sink), and the best blocks
-// of H2O_SELECT_BLOCK positions of [n_sink, cs - L). A block is summarised per channel by the minimum and maximum
-// of its keys (or their mean); the sampled queries (the last H2O_SAMPLE_LAST rows, then up to H2O_SAMPLE_STRIDE
+// h2o_select_query: the memory of chunk cs.. for one head per block under GGML_H2O_SELECT_HYBRID, chosen by the
+// chunk's queries in this call (the rule of h2o_select_by_query in ggml-cpu/h2o-attn.cpp): Local [cs - L, cs), Sink
+// [0, n_sink), the best blocks of H2O_SELECT_BLOCK positions of [n_sink, cs - L) for half of the budget and the best
+// accumulated scores for the rest. A block is summarised per channel by the minimum and maximum of its keys; the sampled queries (the last H2O_SAMPLE_LAST rows, then up to H2O_SAMPLE_STRIDE
 // spread over the rest) each give every block a bound logit, and a block's score is the sum over the queries of
 // its share in the softmax over blocks. Each warp takes blocks in turn; the softmax runs in two sweeps (row maxima
 // and sums, then shares), so nothing per (query, block) is stored. Block scores go to global scratch.
@@ -39,16 +39,16 @@ static __device__ __forceinline__ bool h2o_in_picks(const int * begin, const int
     return lo < n && begin[lo] <= pos;
 }
 
-// the bound (or mean) logits of every sampled query against block b, lane 0 of the warp holding them in x[]
+// the bound logits of every sampled query against block b, lane 0 of the warp holding them in x[]
 static __device__ __forceinline__ void h2o_block_logits(float * x, const float * q_s, int n_q, const char * k,
-        size_t nbk2, int D, int p_begin, int p_end, bool mean) {
+        size_t nbk2, int D, int p_begin, int p_end) {
     const int lane = threadIdx.x%H2O_WARP_SIZE;
     float lo[H2O_SELECT_MAX_D/H2O_WARP_SIZE];
     float hi[H2O_SELECT_MAX_D/H2O_WARP_SIZE];
 #pragma unroll
     for (int t = 0; t < H2O_SELECT_MAX_D/H2O_WARP_SIZE; ++t) {
-        lo[t] = mean ? 0.0f :  INFINITY;
-        hi[t] = mean ? 0.0f : -INFINITY;
+        lo[t] =  INFINITY;
+        hi[t] = -INFINITY;
     }
     for (int pos = p_begin; pos < p_end; ++pos) {
         const half * kr = (const half *) (k + pos*nbk2);
@@ -57,19 +57,9 @@ static __device__ __forceinline__ void h2o_block_logits(float * x, const float *
             const int d = lane + t*H2O_WARP_SIZE;
             if (d < D) {
                 const float v = __half2float(kr[d]);
-                if (mean) {
-                    lo[t] += v;
-                } else {
-                    lo[t] = fminf(lo[t], v);
-                    hi[t] = fmaxf(hi[t], v);
-                }
+                lo[t] = fminf(lo[t], v);
+                hi[t] = fmaxf(hi[t], v);
             }
-        }
-    }
-    if (mean) {
-#pragma unroll
-        for (int t = 0; t < H2O_SELECT_MAX_D/H2O_WARP_SIZE; ++t) {
-            lo[t] *= 1.0f/(p_end - p_begin);
         }
     }
     for (int i = 0; i < n_q; ++i) {
@@ -79,7 +69,7 @@ static __device__ __forceinline__ void h2o_block_logits(float * x, const float *
             const int d = lane + t*H2O_WARP_SIZE;
             if (d < D) {
                 const float qd = q_s[i*D + d];
-                sum += mean ? qd*lo[t] : fmaxf(qd*lo[t], qd*hi[t]);
+                sum += fmaxf(qd*lo[t], qd*hi[t]);
             }
         }
         // every lane holds the sum; lane 0, which reads x[], writes it
@@ -132,11 +122,11 @@ static __device__ __forceinline__ void h2o_select_reset_rows(float (*row_m)[H2O_
 // (online, each warp taking blocks in turn), then over the warps into row_m[0] and row_l[0]
 static __device__ __forceinline__ void h2o_select_row_stats(float (*row_m)[H2O_SAMPLE_MAX],
         float (*row_l)[H2O_SAMPLE_MAX], float (*x_w)[H2O_SAMPLE_MAX], const float * q_s, int n_q, const char * k_h,
-        size_t nbk2, int D, int b0, int nb, int cand_begin, int cand_end, bool mean, int tid, int lane, int warp) {
+        size_t nbk2, int D, int b0, int nb, int cand_begin, int cand_end, int tid, int lane, int warp) {
     for (int b = warp; b < nb; b += H2O_SELECT_WARPS) {
         int pb, pe;
         h2o_select_block_range(b, b0, cand_begin, cand_end, pb, pe);
-        h2o_block_logits(x_w[warp], q_s, n_q, k_h, nbk2, D, pb, pe, mean);
+        h2o_block_logits(x_w[warp], q_s, n_q, k_h, nbk2, D, pb, pe);
         if (lane == 0) {
             for (int i = 0; i < n_q; ++i) {
                 const float m = fmaxf(row_m[warp][i], x_w[warp][i]);
@@ -166,12 +156,11 @@ static __device__ __forceinline__ void h2o_select_row_stats(float (*row_m)[H2O_S
 // queries in sample order; NaN as -inf
 static __device__ __forceinline__ void h2o_select_block_scores(float * score, float (*x_w)[H2O_SAMPLE_MAX],
         const float (*row_m)[H2O_SAMPLE_MAX], const float (*row_l)[H2O_SAMPLE_MAX], const float * q_s, int n_q,
-        const char * k_h, size_t nbk2, int D, int b0, int nb, int cand_begin, int cand_end, bool mean, int lane,
-        int warp) {
+        const char * k_h, size_t nbk2, int D, int b0, int nb, int cand_begin, int cand_end, int lane, int warp) {
     for (int b = warp; b < nb; b += H2O_SELECT_WARPS) {
         int pb, pe;
         h2o_select_block_range(b, b0, cand_begin, cand_end, pb, pe);
-        h2o_block_logits(x_w[warp], q_s, n_q, k_h, nbk2, D, pb, pe, mean);
+        h2o_block_logits(x_w[warp], q_s, n_q, k_h, nbk2, D, pb, pe);
         if (lane == 0) {
             float sc = 0.0f;
             for (int i = 0; i < n_q; ++i) {
@@ -306,12 +295,12 @@ static __device__ __forceinline__ void h2o_select_write_memory(int32_t * mem_h, 
     }
 }
 
-// hybrid: the blocks fill half of the budget; the other half goes to the positions outside them with the highest
+// the blocks fill half of the budget; the other half goes to the positions outside them with the highest
 // accumulated scores (ties to the lower position), found by the radix select of h2o_build over the cache.
 static __global__ void h2o_select_query(const char * q, const char * k, int32_t * mem, float * block_scores,
         const uint16_t * scores, size_t nbq1, size_t nbq2, size_t nbk1, size_t nbk2, size_t nb_mem1, size_t nb_scores1,
-        int D, int n_gqa, int L, int H, int n_sink, int p0, int cs, int i_begin, int i_end, float scale, bool mean,
-        bool hybrid, int n_blocks_max) {
+        int D, int n_gqa, int L, int H, int n_sink, int p0, int cs, int i_begin, int i_end, float scale,
+        int n_blocks_max) {
     extern __shared__ float h2o_select_smem[];
     __shared__ float row_m[H2O_SELECT_WARPS][H2O_SAMPLE_MAX];
     __shared__ float row_l[H2O_SELECT_WARPS][H2O_SAMPLE_MAX];
@@ -342,7 +331,7 @@ static __global__ void h2o_select_query(const char * q, const char * k, int32_t 
     const int cand_begin  = sink_end;
     const int cand_end    = local_start;
     const int budget      = max(H - sink_end, 0);
-    const int by_score    = hybrid ? budget/2 : 0;
+    const int by_score    = budget/2;
 
     const uint16_t * sc = (const uint16_t *) ((const char *) scores + ih*nb_scores1);
     int32_t * by_score_pos = (int32_t *) (h2o_select_smem + H2O_SAMPLE_MAX*D); // [H]
@@ -363,10 +352,9 @@ static __global__ void h2o_select_query(const char * q, const char * k, int32_t 
             pb = max((b0 + b)*H2O_SELECT_BLOCK, cand_begin);
             pe = min((b0 + b + 1)*H2O_SELECT_BLOCK, cand_end);
         };
-        h2o_select_row_stats(row_m, row_l, x_w, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, mean, tid, lane,
+        h2o_select_row_stats(row_m, row_l, x_w, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, tid, lane, warp);
+        h2o_select_block_scores(score, x_w, row_m, row_l, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, lane,
                 warp);
-        h2o_select_block_scores(score, x_w, row_m, row_l, q_s, n_q, k_h, nbk2, D, b0, nb, cand_begin, cand_end, mean,
-                lane, warp);
 
         // the best blocks, one at a time (ties to the lower block), until their part of the budget is spent
         int left = budget - by_score;
