@@ -23,6 +23,12 @@
 //! - `carry/H+scan/4`, `carry/H+scan/8`: `carry/H`, with every 4th or 8th chunk proposing among
 //!   every free position as `today` does (a periodic full scan, whose cost is spread over the
 //!   chunks between);
+//! - `today/kernel` (round 2): the proposal as the kernel makes it by default: all 64 queries of
+//!   the tile, each with logits on a key sketch (the D/4 channels with the most key energy over
+//!   the positions up to the chunk's end, D/2 for heads wider than 128, as the session recommends),
+//!   a softmax over the free positions scored, summed over the queries; 4 H candidates, ranked;
+//! - `carry/H/kernel` (round 2): `today/kernel`'s proposal among `carry/H`'s pool (the softmax
+//!   over the pool's positions, the only ones a kernel would score), carrying its own choice;
 //! - `forced only`: no far position chosen.
 //!
 //! "Ranked" is stage 2: the best H of the candidates by the tile's exact attention. The pool's
@@ -50,19 +56,31 @@ const TILE: usize = 64;
 const SAMPLE_EVERY: usize = 16;
 const CANDIDATES: usize = 4 * HEAVY;
 
-const VARIANTS: [&str; 7] = [
+const VARIANTS: [&str; 9] = [
     "oracle",
     "today",
+    "today/kernel",
     "carry/H",
     "carry/2H",
     "carry/H+scan/4",
     "carry/H+scan/8",
+    "carry/H/kernel",
     "forced only",
 ];
 
-/// The carrying variants, in `VARIANTS` order from index 2: positions each tile passes on (its
-/// best this-many candidates by the tile's attention), and the period of the full scan (0: none).
-const CARRIES: [(usize, usize); 4] = [(HEAVY, 0), (2 * HEAVY, 0), (HEAVY, 4), (HEAVY, 8)];
+/// Where the carrying variants start in `VARIANTS`.
+const FIRST_CARRY: usize = 3;
+
+/// The carrying variants, in `VARIANTS` order from `FIRST_CARRY`: positions each tile passes on
+/// (its best this-many candidates by the tile's attention), the period of the full scan (0:
+/// none), and whether the kernel's sketched proposal makes the candidates.
+const CARRIES: [(usize, usize, bool); 5] = [
+    (HEAVY, 0, false),
+    (2 * HEAVY, 0, false),
+    (HEAVY, 4, false),
+    (HEAVY, 8, false),
+    (HEAVY, 0, true),
+];
 
 /// The study's shape: only `forced` (the sinks and the local window) is used here.
 fn shape() -> StudyConfig {
@@ -91,6 +109,76 @@ fn top(mass: &[f32], among: &[usize], n: usize) -> Vec<usize> {
     v.sort_by(|&x, &y| mass[y].total_cmp(&mass[x]).then(x.cmp(&y)));
     v.truncate(n);
     v
+}
+
+/// The kernel's proposal for the rows of a tile: each query's logits on the sketch's channels
+/// (`chan`; keys `ks`, `start × chan.len()`), a softmax over `among`, summed over the queries.
+fn sketch_proposal(
+    layer: &DenseLayer,
+    h: usize,
+    queries: &[usize],
+    chan: &[usize],
+    ks: &[f32],
+    among: &[usize],
+    start: usize,
+) -> Vec<f32> {
+    let r = chan.len();
+    let mut mass = vec![0f32; start];
+    let mut logits = vec![0f32; among.len()];
+    for &i in queries {
+        let q = layer.q_row(i, h);
+        let qs: Vec<f32> = chan.iter().map(|&c| q[c] * layer.scale).collect();
+        for (l, &j) in logits.iter_mut().zip(among) {
+            *l = dot(&qs, &ks[j * r..(j + 1) * r]);
+        }
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut z = 0f64;
+        for l in &mut logits {
+            *l = (*l - m).exp();
+            z += f64::from(*l);
+        }
+        let inv = (1.0 / z) as f32;
+        for (&e, &j) in logits.iter().zip(among) {
+            mass[j] += e * inv;
+        }
+    }
+    mass
+}
+
+/// `a · b` with eight running sums, so that the compiler vectorises it.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let tail = a.len() / 8 * 8;
+    acc.iter().sum::<f32>() + a[tail..].iter().zip(&b[tail..]).map(|(x, y)| x * y).sum::<f32>()
+}
+
+/// The sketch's channels for head `h`'s KV head: the `d / sketch` with the most key energy over
+/// the positions `[0, end)`, ties to the lower channel, ascending; and the keys of `[0, start)` in
+/// those channels.
+fn sketch(layer: &DenseLayer, h: usize, start: usize, end: usize) -> (Vec<usize>, Vec<f32>) {
+    let d = layer.head_dim;
+    let r = d / if d > 128 { 2 } else { 4 };
+    let mut energy = vec![0f64; d];
+    for j in 0..end {
+        for (e, &x) in energy.iter_mut().zip(layer.k_row(j, h)) {
+            *e += f64::from(x) * f64::from(x);
+        }
+    }
+    let mut chan: Vec<usize> = (0..d).collect();
+    chan.sort_by(|&a, &b| energy[b].total_cmp(&energy[a]).then(a.cmp(&b)));
+    chan.truncate(r);
+    chan.sort_unstable();
+    let mut ks = Vec::with_capacity(start * r);
+    for j in 0..start {
+        let k = layer.k_row(j, h);
+        ks.extend(chan.iter().map(|&c| k[c]));
+    }
+    (chan, ks)
 }
 
 /// What one head gives at one chunk: per variant the covered share summed over tiles, the
@@ -122,7 +210,7 @@ fn head_run(layer: &DenseLayer, h: usize, n: usize) -> Vec<ChunkResult> {
         let pools: Vec<Vec<usize>> = CARRIES
             .iter()
             .zip(&carried)
-            .map(|(&(_, scan), kept)| {
+            .map(|(&(_, scan, _), kept)| {
                 if c == 1 || (scan > 0 && c % scan == 0) {
                     free.clone()
                 } else {
@@ -133,6 +221,7 @@ fn head_run(layer: &DenseLayer, h: usize, n: usize) -> Vec<ChunkResult> {
                 }
             })
             .collect();
+        let (chan, ks) = sketch(layer, h, start, end);
         let mut next: Vec<Vec<bool>> = vec![vec![false; end]; CARRIES.len()];
         let mut sums = [0f64; VARIANTS.len()];
         let mut tiles = 0;
@@ -146,12 +235,20 @@ fn head_run(layer: &DenseLayer, h: usize, n: usize) -> Vec<ChunkResult> {
             for &r in rows.iter().step_by(SAMPLE_EVERY) {
                 add(&mut sampled, att.far_row(r));
             }
+            let queries: Vec<usize> = rows.iter().map(|&r| start + r).collect();
+            let kernel = sketch_proposal(layer, h, &queries, &chan, &ks, &free, start);
             let mut chosen: Vec<Vec<usize>> = vec![
                 top(&mass, &free, HEAVY),
                 top(&mass, &top(&sampled, &free, CANDIDATES), HEAVY),
+                top(&mass, &top(&kernel, &free, CANDIDATES), HEAVY),
             ];
-            for ((pool, &(pass, _)), next) in pools.iter().zip(&CARRIES).zip(&mut next) {
-                let ranked = top(&mass, &top(&sampled, pool, CANDIDATES), pass.max(HEAVY));
+            for ((pool, &(pass, _, by_kernel)), next) in pools.iter().zip(&CARRIES).zip(&mut next) {
+                let proposal = if by_kernel {
+                    sketch_proposal(layer, h, &queries, &chan, &ks, pool, start)
+                } else {
+                    sampled.clone()
+                };
+                let ranked = top(&mass, &top(&proposal, pool, CANDIDATES), pass.max(HEAVY));
                 for &p in ranked.iter().take(pass) {
                     next[p] = true;
                 }
@@ -215,8 +312,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "{}, {text}, {n} tokens, layers {names:?} ({} query heads, {} KV heads, {} channels); \
          S = {CHUNK}, L = {LOCAL}, H = {HEAVY}, {SINK} sinks, tiles of {TILE}, 4 H = {CANDIDATES} \
-         candidates from every {SAMPLE_EVERY}th query; chunks 1 on. Mean covered share of the \
-         tile's attention.\n",
+         candidates from every {SAMPLE_EVERY}th query (`/kernel`: from all 64 on a key sketch); \
+         chunks 1 on. Mean covered share of the tile's attention.\n",
         path.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
         first.n_head,
         first.n_head_kv,
@@ -281,7 +378,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "| chunk start | today | {} | {} |",
         others.iter().map(|&v| VARIANTS[v]).collect::<Vec<_>>().join(" | "),
-        VARIANTS[2..2 + CARRIES.len()]
+        VARIANTS[FIRST_CARRY..FIRST_CARRY + CARRIES.len()]
             .iter()
             .map(|v| format!("pool {v}"))
             .collect::<Vec<_>>()
