@@ -103,6 +103,10 @@ pub fn h2o_attention_head(
 /// This is how an engine whose scores are rounded (BF16) is checked without one near-tie
 /// swap spreading to every later chunk: feed its memory sets in, compare each chunk's output
 /// with the engine's, and each of its memory sets with the build from the same history.
+///
+/// # Panics
+/// Under [`Selection::Coverage`], whose tiles share one budget across all heads of a layer: its
+/// reference is [`h2o_attention_coverage`].
 #[must_use]
 pub fn h2o_attention_head_given_memory(
     q: &Matrix,
@@ -126,7 +130,11 @@ pub fn h2o_attention_head_given_memory(
     let mut attended: Option<MemorySet> = None;
     let mut key_sets = Vec::with_capacity(n);
     let chunks = chunk_bounds(n, params.chunk);
-    let by_query = params.select != Selection::Seed;
+    assert!(
+        params.select != Selection::Coverage,
+        "coverage selection chooses per tile across heads: use h2o_attention_coverage"
+    );
+    let by_query = params.select == Selection::Hybrid;
     let tail_start = params.tail_start.unwrap_or(usize::MAX);
     for (c, chunk) in chunks.iter().enumerate() {
         if c >= 1 && by_query {

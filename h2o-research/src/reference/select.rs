@@ -39,9 +39,9 @@ pub struct QuerySelection {
 /// rule's accumulated attention, one per position) for the rest, ties to the lower position. A
 /// block's score is the sum over the sampled queries (`sample`, rows of `q`) of its share in a
 /// softmax over the blocks of `scale · q·k̂`, where `q·k̂` is the per-channel upper bound
-/// `Σ_d max(q_d·min_d, q_d·max_d)` of the block's keys. The bounds are plain scaled products: an estimate of where attention
-/// goes, which a model's logit soft-cap (monotone) would only flatten, so the engine and this
-/// reference leave it out here.
+/// `Σ_d max(q_d·min_d, q_d·max_d)` of the block's keys. The bounds are plain scaled products:
+/// an estimate of where attention goes, which a model's logit soft-cap (monotone) would only
+/// flatten, so the engine and this reference leave it out here.
 #[must_use]
 pub fn select_by_query(
     params: &H2oParams,

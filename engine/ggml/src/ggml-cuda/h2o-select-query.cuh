@@ -6,10 +6,11 @@
 // h2o_select_query: the memory of chunk cs.. for one head per block under GGML_H2O_SELECT_HYBRID, chosen by the
 // chunk's queries in this call (the rule of h2o_select_by_query in ggml-cpu/h2o-attn.cpp): Local [cs - L, cs), Sink
 // [0, n_sink), the best blocks of H2O_SELECT_BLOCK positions of [n_sink, cs - L) for half of the budget and the best
-// accumulated scores for the rest. A block is summarised per channel by the minimum and maximum of its keys; the sampled queries (the last H2O_SAMPLE_LAST rows, then up to H2O_SAMPLE_STRIDE
-// spread over the rest) each give every block a bound logit, and a block's score is the sum over the queries of
-// its share in the softmax over blocks. Each warp takes blocks in turn; the softmax runs in two sweeps (row maxima
-// and sums, then shares), so nothing per (query, block) is stored. Block scores go to global scratch.
+// accumulated scores for the rest. A block is summarised per channel by the minimum and maximum of its keys; the
+// sampled queries (the last H2O_SAMPLE_LAST rows, then up to H2O_SAMPLE_STRIDE spread over the rest) each give every
+// block a bound logit, and a block's score is the sum over the queries of its share in the softmax over blocks.
+// Each warp takes blocks in turn; the softmax runs in two sweeps (row maxima and sums, then shares), so nothing per
+// (query, block) is stored. Block scores go to global scratch.
 // ---------------------------------------------------------------------------------------------------------------
 
 #define H2O_SELECT_BLOCK    16
