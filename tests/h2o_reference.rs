@@ -618,7 +618,7 @@ fn dense_tail_across_key_spans_matches_the_reference_in_every_layer() {
         "demo prompt too short: {}",
         tokens.len()
     );
-    check_coverage_selection(common::model(), &tokens[..1100], 60, 0.9, 16, 1);
+    check_coverage_selection(common::model(), &tokens[..1100], 60, 0.9, 16, 1, 0);
 }
 
 /// Hybrid selection (half the budget by blocks the chunk's own queries choose, half by
@@ -706,22 +706,97 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
 /// chunk, so the reference chooses every memory from the captured Q and K of all heads of the
 /// layer; every output row must match, and after the call each head holds the memory the last
 /// tile would have at the average budget. Samples from exact logits, and from a sketch of a
-/// quarter or an eighth of the key channels (`h2o_tile_sketch`).
+/// quarter or an eighth of the key channels (`h2o_tile_sketch`); and, on chunks 2 and 3 (220
+/// and 348 candidates), proposing among a pool of 4 H (`h2o_tile_pool`).
 #[test]
 fn coverage_selection_matches_the_reference_in_every_layer() {
-    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 1.0, 4, 1);
-    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 0.9, 16, 1);
-    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 1.0, 32, 4);
-    check_coverage_selection(common::model(), &prompt(common::model()), TAIL, 0.9, 16, 8);
+    check_coverage_selection(
+        common::model(),
+        &prompt(common::model()),
+        TAIL,
+        1.0,
+        4,
+        1,
+        0,
+    );
+    check_coverage_selection(
+        common::model(),
+        &prompt(common::model()),
+        TAIL,
+        0.9,
+        16,
+        1,
+        0,
+    );
+    check_coverage_selection(
+        common::model(),
+        &prompt(common::model()),
+        TAIL,
+        1.0,
+        32,
+        4,
+        0,
+    );
+    check_coverage_selection(
+        common::model(),
+        &prompt(common::model()),
+        TAIL,
+        0.9,
+        16,
+        8,
+        0,
+    );
+    check_coverage_selection(
+        common::model(),
+        &prompt(common::model()),
+        TAIL,
+        1.0,
+        64,
+        4,
+        4 * H,
+    );
 }
 
 /// Gemma 3 270M, coverage selection on its global layers; 64 samples on half the channels is
-/// what a session chooses for its 256-channel key heads.
+/// what a session chooses for its 256-channel key heads; with and without a pool.
 #[test]
 fn gemma3_coverage_selection_matches_the_reference_on_the_global_layers() {
-    check_coverage_selection(common::gemma(), &prompt(common::gemma()), TAIL, 1.0, 4, 1);
-    check_coverage_selection(common::gemma(), &prompt(common::gemma()), TAIL, 1.0, 32, 4);
-    check_coverage_selection(common::gemma(), &prompt(common::gemma()), TAIL, 1.0, 64, 2);
+    check_coverage_selection(
+        common::gemma(),
+        &prompt(common::gemma()),
+        TAIL,
+        1.0,
+        4,
+        1,
+        0,
+    );
+    check_coverage_selection(
+        common::gemma(),
+        &prompt(common::gemma()),
+        TAIL,
+        1.0,
+        32,
+        4,
+        0,
+    );
+    check_coverage_selection(
+        common::gemma(),
+        &prompt(common::gemma()),
+        TAIL,
+        1.0,
+        64,
+        2,
+        0,
+    );
+    check_coverage_selection(
+        common::gemma(),
+        &prompt(common::gemma()),
+        TAIL,
+        1.0,
+        64,
+        2,
+        4 * H,
+    );
 }
 
 /// A coverage policy that leaves the sketch out gets the one recommended for the model's key
@@ -795,6 +870,7 @@ fn check_coverage_selection(
     coverage: f32,
     samples: u32,
     sketch: u32,
+    pool: usize,
 ) {
     const SINK: usize = 4;
     let n = tokens.len();
@@ -805,6 +881,7 @@ fn check_coverage_selection(
         coverage,
         tile_samples: samples,
         tile_sketch: sketch,
+        tile_pool: pool as u32,
         ..H2oConfig::seed(L as u32, H as u32)
     };
     let config = SessionConfig {
@@ -849,6 +926,7 @@ fn check_coverage_selection(
         tail_start: Some(n - tail),
     };
     let (mut max_err, mut max_v) = (0f64, 0f64);
+    let mut pool_changed = 0;
     for (&layer, sets) in s.h2o_layers().iter().zip(&final_sets) {
         let t = layer_trace(&captures, layer);
         let inputs: Vec<(Matrix, Matrix, Matrix)> =
@@ -869,11 +947,29 @@ fn check_coverage_selection(
             coverage: f64::from(coverage),
             samples: samples as usize,
             sketch: sketch as usize,
+            pool: pool as usize,
         };
         let r = h2o_attention_coverage(&q, &k, &v, t.logits, &params, &cp, &calls);
+        if pool > 0 {
+            // the pool must choose other keys somewhere, or this would not test it
+            let without = h2o_attention_coverage(
+                &q,
+                &k,
+                &v,
+                t.logits,
+                &params,
+                &CoverageParams { pool: 0, ..cp },
+                &calls,
+            );
+            pool_changed += r
+                .iter()
+                .zip(&without)
+                .filter(|(a, b)| a.key_sets != b.key_sets)
+                .count();
+        }
         for (h, engine_set) in sets.iter().enumerate() {
             let what = format!(
-                "coverage {coverage}, {samples} samples, sketch 1/{sketch}: layer {layer} head {h}"
+                "coverage {coverage}, {samples} samples, sketch 1/{sketch}, pool {pool}: layer {layer} head {h}"
             );
             assert_eq!(
                 engine_set,
@@ -892,7 +988,12 @@ fn check_coverage_selection(
             max_v = max_v.max(vmax);
         }
     }
+    assert!(
+        pool == 0 || pool_changed > 0,
+        "a pool of {pool} chose what every position would have in every head: the test does not reach it"
+    );
     eprintln!(
-        "coverage {coverage}, {n} tokens, tail {tail}: max |output - reference| = {max_err:.3e} (max |V| = {max_v:.2})"
+        "coverage {coverage}, {n} tokens, tail {tail}, pool {pool}: max |output - reference| = {max_err:.3e} \
+         (max |V| = {max_v:.2}; heads whose keys the pool changed: {pool_changed})"
     );
 }

@@ -29,6 +29,7 @@ void llama_h2o_cparams_init(llama_cparams & cparams, const llama_context_params 
     cparams.h2o_coverage   = params.h2o_coverage;
     cparams.h2o_tile_samples = params.h2o_tile_samples;
     cparams.h2o_tile_sketch  = params.h2o_tile_sketch;
+    cparams.h2o_tile_pool    = params.h2o_tile_pool;
     cparams.h2o_undo_log   = params.h2o_undo_log;
     cparams.h2o_decode_budget = std::max(params.h2o_decode_budget, 0);
     cparams.h2o_decode_coverage = params.h2o_decode_coverage;
@@ -59,6 +60,12 @@ void llama_h2o_cparams_init(llama_cparams & cparams, const llama_context_params 
         if (params.h2o_tile_sketch < 1 || model.hparams.n_embd_head_k_full % (uint32_t) params.h2o_tile_sketch != 0) {
             throw std::runtime_error(format("H2O: h2o_tile_sketch = %d must divide the head size %u: the sketch keeps 1/h2o_tile_sketch "
                         "of the key channels (1: all)", params.h2o_tile_sketch, model.hparams.n_embd_head_k_full));
+        }
+        if (params.h2o_tile_pool != 0 && (params.h2o_select != LLAMA_H2O_SELECT_COVERAGE ||
+                    params.h2o_tile_pool < GGML_H2O_MAX_HEAVY_FACTOR*params.h2o_heavy)) {
+            throw std::runtime_error(format("H2O: h2o_tile_pool = %d must be 0 (off) or, with h2o_select = LLAMA_H2O_SELECT_COVERAGE, "
+                        "at least %d * h2o_heavy = %d: each tile proposes that many candidates from the pool",
+                        params.h2o_tile_pool, GGML_H2O_MAX_HEAVY_FACTOR, GGML_H2O_MAX_HEAVY_FACTOR*params.h2o_heavy));
         }
         if (params.h2o_sink < 0 || params.h2o_sink > params.h2o_heavy) {
             throw std::runtime_error(format("H2O: the sink h2o_sink = %d must be in [0, h2o_heavy = %d]: the sink positions "
@@ -96,9 +103,10 @@ void llama_h2o_cparams_init(llama_cparams & cparams, const llama_context_params 
         }
     } else if (params.h2o_sink != 0 || params.h2o_dense_tail != 0 || params.h2o_select != LLAMA_H2O_SELECT_SEED || params.h2o_undo_log ||
                params.h2o_coverage != 1.0f || params.h2o_tile_samples != llama_context_default_params().h2o_tile_samples ||
-               params.h2o_tile_sketch != 1 || params.h2o_decode_budget != 0 || params.h2o_decode_coverage != 1.0f) {
+               params.h2o_tile_sketch != 1 || params.h2o_tile_pool != 0 || params.h2o_decode_budget != 0 ||
+               params.h2o_decode_coverage != 1.0f) {
         throw std::runtime_error("H2O: h2o_select, h2o_sink, h2o_dense_tail, h2o_coverage, h2o_tile_samples, h2o_tile_sketch, "
-                "h2o_undo_log, h2o_decode_budget and h2o_decode_coverage need H2O on (h2o_local + h2o_heavy > 0)");
+                "h2o_tile_pool, h2o_undo_log, h2o_decode_budget and h2o_decode_coverage need H2O on (h2o_local + h2o_heavy > 0)");
     }
 }
 
@@ -115,6 +123,7 @@ void llama_h2o_cparams_log(const llama_cparams & cparams) {
     LLAMA_LOG_INFO("%s: h2o_coverage          = %g\n",   "llama_context", (double) cparams.h2o_coverage);
     LLAMA_LOG_INFO("%s: h2o_tile_samples      = %d\n",   "llama_context", cparams.h2o_tile_samples);
     LLAMA_LOG_INFO("%s: h2o_tile_sketch       = %d\n",   "llama_context", cparams.h2o_tile_sketch);
+    LLAMA_LOG_INFO("%s: h2o_tile_pool         = %d\n",   "llama_context", cparams.h2o_tile_pool);
     LLAMA_LOG_INFO("%s: h2o_undo_log          = %s\n",   "llama_context", cparams.h2o_undo_log ? "true" : "false");
 }
 
@@ -136,7 +145,11 @@ static std::string llama_h2o_op_config(const ggml_tensor * node) {
     if (node->op == GGML_OP_H2O_DECODE) {
         return "sparse decode (h2o_decode_budget > 0)";
     }
-    return format("h2o_select = %d", ((const int32_t *) node->op_params)[GGML_H2O_ATTN_SELECT]);
+    const int32_t * p = (const int32_t *) node->op_params;
+    if (p[GGML_H2O_ATTN_POOL] != 0) {
+        return format("h2o_select = %d and h2o_tile_pool = %d", p[GGML_H2O_ATTN_SELECT], p[GGML_H2O_ATTN_POOL]);
+    }
+    return format("h2o_select = %d", p[GGML_H2O_ATTN_SELECT]);
 }
 
 bool llama_h2o_check_placement(ggml_backend_sched_t sched, ggml_cgraph * gf, bool log) {

@@ -179,7 +179,7 @@ void llama_kv_cache_h2o::init(size_t memory_size_kv) {
 void llama_kv_cache_h2o::configure(const llama_cparams & cparams) {
     set_select(cparams.h2o_select, cparams.h2o_sink, cparams.h2o_dense_tail);
     set_undo_log(cparams.h2o_undo_log);
-    set_coverage(cparams.h2o_coverage, cparams.h2o_tile_samples, cparams.h2o_tile_sketch);
+    set_coverage(cparams.h2o_coverage, cparams.h2o_tile_samples, cparams.h2o_tile_sketch, cparams.h2o_tile_pool);
     set_decode(cparams.h2o_decode_budget, cparams.h2o_decode_coverage);
 }
 
@@ -1149,6 +1149,7 @@ ggml_tensor * llama_kv_cache_h2o::build_attn(
     ggml_h2o_attn_set_select(cur, (ggml_h2o_select) hs.select, hs.n_sink, tail_start);
     ggml_h2o_attn_set_coverage(cur, coverage_target, tile_samples);
     ggml_h2o_attn_set_coverage_sketch(cur, tile_sketch);
+    ggml_h2o_attn_set_coverage_pool(cur, tile_pool);
 
     return cur;
 }

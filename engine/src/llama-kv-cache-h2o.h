@@ -150,12 +150,14 @@ public:
 
     // the undo log that lets seq_rm cut back to a chunk boundary inside the prompt (default: off)
     void set_undo_log(bool on);
-    // LLAMA_H2O_SELECT_COVERAGE: the coverage a tile's budget stops at, the queries per tile that choose its memory and
-    // the share of the key channels their logits read (1/sketch), for every stream
-    void set_coverage(float coverage, int32_t n_sample, int32_t sketch) {
+    // LLAMA_H2O_SELECT_COVERAGE: the coverage a tile's budget stops at, the queries per tile that choose its memory,
+    // the share of the key channels their logits read (1/sketch) and the pool they choose among (0: none), for every
+    // stream
+    void set_coverage(float coverage, int32_t n_sample, int32_t sketch, int32_t pool) {
         coverage_target = coverage;
         tile_samples    = n_sample;
         tile_sketch     = sketch;
+        tile_pool       = pool;
     }
 
     // sparse decode (ggml_h2o_decode) with a budget of n_budget positions (0: full-attention decode): allocates each
@@ -255,6 +257,7 @@ private:
     float            coverage_target = 1.0f;
     int32_t          tile_samples    = 4;
     int32_t          tile_sketch     = 1;
+    int32_t          tile_pool       = 0;
 
     // chunk size S
     const uint32_t chunk_size = 0;

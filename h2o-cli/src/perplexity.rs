@@ -44,10 +44,10 @@ pub struct PerplexityArgs {
     // (help as an attribute: rustdoc would read the brackets as links)
     #[arg(
         long,
-        value_name = "L:H[:P[:S[:T[:N[:G[:K]]]]]],..",
+        value_name = "L:H[:P[:S[:T[:N[:G[:K[:POOL]]]]]]],..",
         value_delimiter = ',',
         value_parser = parse_shape,
-        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE[:TILE_SKETCH]]]]]], \
+        help = "Ablation: also score these H2O shapes (L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE[:TILE_SKETCH[:TILE_POOL]]]]]]], \
                 comma-separated, omitted parts as the library recommends; e.g. 512:0,0:512 for local-only and heavy-only \
                 at the same M as 256:256), against the same full attention, and print one row per shape \
                 (the main shape first; a shape named twice is scored once)"
@@ -76,11 +76,12 @@ pub struct PerplexityArgs {
 
 fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     let parts: Vec<&str> = s.split(':').collect();
-    if !(2..=8).contains(&parts.len()) {
+    if !(2..=9).contains(&parts.len()) {
         return Err(format!(
             "{s:?}: write an H2O shape as \
-             L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE[:TILE_SKETCH]]]]]], e.g. 256:256, \
-             256:256:h2o:0:0, 256:256:coverage:4:64:16:0.9 or 256:256:coverage:4:64:32:1:4"
+             L:H[:POLICY[:SINK[:TAIL[:TILE_SAMPLES[:COVERAGE[:TILE_SKETCH[:TILE_POOL]]]]]]], e.g. \
+             256:256, 256:256:h2o:0:0, 256:256:coverage:4:64:16:0.9, \
+             256:256:coverage:4:64:32:1:4 or 256:256:coverage:4:64:64:1:0:4096"
         ));
     }
     let n = |v: &str| {
@@ -109,6 +110,9 @@ fn parse_shape(s: &str) -> std::result::Result<H2oConfig, String> {
     }
     if let Some(v) = parts.get(7) {
         shape.tile_sketch = n(v)?;
+    }
+    if let Some(v) = parts.get(8) {
+        shape.tile_pool = n(v)?;
     }
     if !shape.is_enabled() {
         return Err(format!(

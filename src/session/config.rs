@@ -118,6 +118,14 @@ pub struct H2oConfig {
     /// sketch costs that share of the exact proposal, so more samples fit in the same work;
     /// every query of the tile still ranks what they propose exactly.
     pub tile_sketch: u32,
+    /// [`Selection::Coverage`]: 0 (every tile's samples read every position before the chunk),
+    /// or the size of the pool they read instead (`--h2o-tile-pool`): once per chunk, every
+    /// 16th query of each tile chooses this many positions for its head by its sketched
+    /// attention; each tile adds the quarter as many that its own such queries attend to most,
+    /// and its samples propose among those alone. The proposal's cost then stops growing with
+    /// the prompt; chunks with no more candidates than a tile's pool propose as without one. 0
+    /// or at least 4 × `heavy`; the CPU's kernels only.
+    pub tile_pool: u32,
     /// Sparse decode (`--h2o-decode sparse --h2o-decode-budget N`): each generated token attends
     /// to the first block of 16 positions (more with `sink`), its last `local` positions, and up
     /// to this many positions between them, those its query heads' logits estimated from a key
@@ -144,6 +152,7 @@ impl Default for H2oConfig {
             coverage: 1.0,
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
             tile_sketch: Self::TILE_SKETCH_BY_HEAD,
+            tile_pool: 0,
             decode_budget: 0,
             decode_coverage: 1.0,
         }
@@ -177,6 +186,7 @@ impl H2oConfig {
             coverage: 1.0,
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
             tile_sketch: Self::TILE_SKETCH_BY_HEAD,
+            tile_pool: 0,
             decode_budget: 0,
             decode_coverage: 1.0,
         }
@@ -264,6 +274,9 @@ impl H2oConfig {
         let mut label = format!("coverage/{}", self.tile_samples);
         if self.tile_sketch > 1 {
             label += &format!(" sketch/{}", self.tile_sketch);
+        }
+        if self.tile_pool > 0 {
+            label += &format!(" pool/{}", self.tile_pool);
         }
         if self.coverage < 1.0 {
             label += &format!("@{}", self.coverage);
@@ -518,6 +531,16 @@ impl SessionConfig {
                     "H2O --h2o-tile-sketch {} must be 1, 2, 4 or 8: the sampled queries' logits \
                      read 1/N of the key channels (1: all; 0 or leave it out: by the heads' width)",
                     h2o.tile_sketch
+                ));
+            }
+            if h2o.tile_pool > 0
+                && (h2o.select != Selection::Coverage || h2o.tile_pool < 4 * h2o.heavy)
+            {
+                return bad(format!(
+                    "H2O --h2o-tile-pool {} must be 0 (off) or, with --h2o-select coverage, at least \
+                     4 × --h2o-heavy = {}: each tile proposes that many candidates from the pool",
+                    h2o.tile_pool,
+                    4 * u64::from(h2o.heavy)
                 ));
             }
             if self.n_ctx > 0 && h2o.decode_budget > self.n_ctx {

@@ -223,6 +223,7 @@ fn context_params(config: &SessionConfig) -> sys::llama_context_params {
         cp.h2o_coverage = h2o.coverage;
         cp.h2o_tile_samples = h2o.tile_samples as i32; // <= 64 (validate())
         cp.h2o_tile_sketch = h2o.tile_sketch as i32; // <= 8 (validate())
+        cp.h2o_tile_pool = i32::try_from(h2o.tile_pool).unwrap_or(i32::MAX);
         cp.h2o_undo_log = config.h2o_undo_log;
         cp.h2o_decode_budget = i32::try_from(h2o.decode_budget).unwrap_or(i32::MAX);
         cp.h2o_decode_coverage = h2o.decode_coverage;

@@ -346,7 +346,7 @@ impl<'m> ParallelSession<'m> {
     }
 
     /// A sequence's selection `w` with what is set for the whole context `d` (coverage
-    /// selection's target, samples and sketch, sparse decode's coverage): the context's, a sketch
+    /// selection's target, samples, sketch and pool, sparse decode's coverage): the context's, a sketch
     /// left out ([`H2oConfig::TILE_SKETCH_BY_HEAD`]) included, or an error naming the flag.
     fn context_wide(w: H2oConfig, d: H2oConfig) -> Result<H2oConfig> {
         let w = H2oConfig {
@@ -376,6 +376,11 @@ impl<'m> ParallelSession<'m> {
                 "--h2o-tile-sketch",
                 d.tile_sketch.to_string(),
                 w.tile_sketch.to_string(),
+            ),
+            (
+                "--h2o-tile-pool",
+                d.tile_pool.to_string(),
+                w.tile_pool.to_string(),
             ),
         ];
         if let Some((flag, context, asked)) = fields.into_iter().find(|(_, c, a)| c != a) {

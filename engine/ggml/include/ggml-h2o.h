@@ -81,6 +81,7 @@ extern "C" {
         GGML_H2O_ATTN_N_SAMPLE   = 11,
         GGML_H2O_ATTN_SOFTCAP    = 12, // f32 logit_softcap
         GGML_H2O_ATTN_SKETCH     = 13,
+        GGML_H2O_ATTN_POOL       = 14, // n_pool
     };
 
     enum ggml_h2o_decode_param {
@@ -97,6 +98,10 @@ extern "C" {
     #define GGML_H2O_TILE             64
     #define GGML_H2O_BUDGET_STEP      32
     #define GGML_H2O_MAX_HEAVY_FACTOR 4
+    // ... and with a pool (ggml_h2o_attn_set_coverage_pool): the queries of each tile that scan every earlier position
+    // (one in GGML_H2O_POOL_SCAN_EVERY), and the share of the pool that a tile's own scanned queries add
+    #define GGML_H2O_POOL_SCAN_EVERY  16
+    #define GGML_H2O_POOL_OWN         4
 
     // Memory selection of an H2O attention op (default: GGML_H2O_SELECT_SEED, no sink, no dense tail):
     //   n_sink:     positions 0 .. n_sink - 1 are always in the memory set, inside the n_heavy budget
@@ -125,6 +130,17 @@ extern "C" {
     GGML_API void ggml_h2o_attn_set_coverage_sketch(
             struct ggml_tensor  * a,
             int32_t               sketch);
+
+    // GGML_H2O_SELECT_COVERAGE: a proposal whose reads do not grow with the prompt. With n_pool > 0, once per chunk and
+    // head, one in GGML_H2O_POOL_SCAN_EVERY queries of every tile attend (on the sketch's channels) to every earlier
+    // position, and the n_pool candidates with the most of their attention form the chunk's pool; each tile adds the
+    // n_pool/GGML_H2O_POOL_OWN candidates outside it that its own scanned queries attend to most, and its sampled
+    // queries propose among that pool alone (a softmax over it). Chunks with no more candidates than a tile's pool
+    // propose among all of them as without a pool. 0 by default: every tile's samples read every earlier position.
+    // n_pool is 0 or at least GGML_H2O_MAX_HEAVY_FACTOR * n_heavy, the candidates a proposal names.
+    GGML_API void ggml_h2o_attn_set_coverage_pool(
+            struct ggml_tensor  * a,
+            int32_t               n_pool);
 
     // The attention logits of an H2O attention op (ggml_h2o_attn or ggml_h2o_decode), as ggml_flash_attn_ext has
     // them (default: neither):

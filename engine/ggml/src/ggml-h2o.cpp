@@ -68,6 +68,7 @@ struct ggml_tensor * ggml_h2o_attn(
     ggml_h2o_attn_set_select(result, GGML_H2O_SELECT_SEED, 0, INT32_MAX);
     ggml_h2o_attn_set_coverage(result, 1.0f, 4);
     ggml_h2o_attn_set_coverage_sketch(result, 1);
+    ggml_h2o_attn_set_coverage_pool(result, 0);
     ggml_h2o_attn_set_logits(result, 0.0f, NULL);
 
     return result;
@@ -107,6 +108,15 @@ void ggml_h2o_attn_set_coverage_sketch(
     GGML_ASSERT(sketch >= 1 && a->src[0]->ne[0] % sketch == 0);
 
     ggml_set_op_params_i32(a, GGML_H2O_ATTN_SKETCH, sketch);
+}
+
+void ggml_h2o_attn_set_coverage_pool(
+        struct ggml_tensor  * a,
+        int32_t               n_pool) {
+    GGML_ASSERT(a->op == GGML_OP_H2O_ATTN);
+    GGML_ASSERT(n_pool == 0 || n_pool >= GGML_H2O_MAX_HEAVY_FACTOR*ggml_get_op_params_i32(a, GGML_H2O_ATTN_HEAVY));
+
+    ggml_set_op_params_i32(a, GGML_H2O_ATTN_POOL, n_pool);
 }
 
 void ggml_h2o_attn_set_logits(

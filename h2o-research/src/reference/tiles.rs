@@ -13,6 +13,14 @@
 //!   channel);
 //! - **proposal**: the candidates `[sink_end, cs − L)` by `Σ_samples p_i(j)`, highest first,
 //!   ties to the lower position, at most `4·H` of them;
+//! - **pool** (`pool` > 0, and only where the chunk has more than `pool + pool / POOL_OWN`
+//!   candidates): per head, the rows of every tile of the chunk that the call touches with
+//!   `(i − t0) mod POOL_SCAN_EVERY = POOL_SCAN_EVERY − 1` (the tile's last row if it has none)
+//!   attend as samples do, `p_i` over `[0, cs)` on the sketch's channels; the chunk's pool is the
+//!   `pool` candidates with the most `Σ_rows p_i(j)` over all those tiles, and a tile's pool adds
+//!   the `pool / POOL_OWN` candidates outside it with the most of its own rows' `Σ p_i(j)` (both
+//!   highest first, ties to the lower position). The tile's samples then attend to its pool
+//!   alone (a softmax over those keys) and propose among it as above;
 //! - **ranking**: every row `i` of the tile attends to its chunk up to itself, the forced
 //!   positions and the proposed candidates (`p'_i`, a softmax over those keys); the candidates
 //!   go by `Σ_rows p'_i(j)`, highest first, ties to the lower position;
@@ -37,6 +45,10 @@ pub const TILE: usize = 64;
 pub const BUDGET_STEP: usize = 32;
 /// A tile ranks at most this many times `H` candidates.
 pub const MAX_HEAVY_FACTOR: usize = 4;
+/// With a pool: one query in this many of every tile scans every earlier position.
+pub const POOL_SCAN_EVERY: usize = 16;
+/// With a pool: a tile's own scanned queries add `pool / POOL_OWN` candidates to it.
+pub const POOL_OWN: usize = 4;
 
 /// What [`Selection::Coverage`] adds to [`H2oParams`].
 ///
@@ -50,6 +62,9 @@ pub struct CoverageParams {
     pub samples: usize,
     /// Their logits read `1 / sketch` of the key channels, those of most key energy (1: all).
     pub sketch: usize,
+    /// 0, or the chunk's pool of candidates that the samples propose among (at least
+    /// `MAX_HEAVY_FACTOR · H`).
+    pub pool: usize,
 }
 
 /// One tile's memory.
@@ -108,12 +123,27 @@ fn attention_before(
     end: usize,
     channels: Option<&[usize]>,
 ) -> Vec<f64> {
+    let keys: Vec<usize> = (0..end).collect();
+    attention_over(q, k, logits, i, &keys, channels)
+}
+
+/// The attention of query `i` over the positions `keys` alone (a softmax over those), from
+/// logits over `channels` only (all without); in the order of `keys`.
+fn attention_over(
+    q: &Matrix,
+    k: &Matrix,
+    logits: Logits,
+    i: usize,
+    keys: &[usize],
+    channels: Option<&[usize]>,
+) -> Vec<f64> {
     let project = |row: &[f64]| -> Vec<f64> {
         channels.map_or_else(|| row.to_vec(), |c| c.iter().map(|&j| row[j]).collect())
     };
     let qi = project(q.row(i));
-    let logits: Vec<f64> = (0..end)
-        .map(|j| logits.logit(&qi, &project(k.row(j))))
+    let logits: Vec<f64> = keys
+        .iter()
+        .map(|&j| logits.logit(&qi, &project(k.row(j))))
         .collect();
     let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let e: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
@@ -158,18 +188,30 @@ pub fn select_by_tiles(
         .collect();
 
     let mut units: Vec<Unit> = Vec::new();
+    let pooled = cp.pool > 0 && candidates.len() > cp.pool + cp.pool / POOL_OWN;
     for (h, qh) in q.iter().enumerate() {
         let kh = &k[h / group];
         let channels = sketches[h / group].as_deref();
-        for (t0, present) in &tiles {
+        let scan =
+            pooled.then(|| chunk_pool(qh, kh, lg, cs, &tiles, &candidates, cp.pool, channels));
+        for (t, (t0, present)) in tiles.iter().enumerate() {
             let samples = tile_samples(*t0, present, cp.samples);
+            // the positions the samples attend to: every one before the chunk, or the tile's pool
+            let among: Vec<usize> = match &scan {
+                None => (0..cs).collect(),
+                Some((pool, tile_mass)) => {
+                    tile_pool(pool, &tile_mass[t], &candidates, cp.pool / POOL_OWN)
+                }
+            };
             let attention: Vec<Vec<f64>> = samples
                 .iter()
-                .map(|&i| attention_before(qh, kh, lg, i, cs, channels))
+                .map(|&i| attention_over(qh, kh, lg, i, &among, channels))
                 .collect();
-            let mut score: Vec<(f64, usize)> = candidates
-                .clone()
-                .map(|j| (attention.iter().map(|p| p[j]).sum::<f64>(), j))
+            let mut score: Vec<(f64, usize)> = among
+                .iter()
+                .enumerate()
+                .filter(|&(_, j)| candidates.contains(j))
+                .map(|(m, &j)| (attention.iter().map(|p| p[m]).sum::<f64>(), j))
                 .collect();
             score.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             let proposed: Vec<usize> = score.iter().take(n_rank).map(|&(_, j)| j).collect();
@@ -244,6 +286,67 @@ pub fn select_by_tiles(
         });
     }
     out
+}
+
+/// A head's pool for the chunk at `cs`: the `n_pool` candidates with the most attention of the
+/// scanned rows of all `tiles`, ascending; and each tile's scanned attention on the candidates
+/// (indexed by position − the first candidate).
+#[allow(clippy::too_many_arguments)]
+fn chunk_pool(
+    q: &Matrix,
+    k: &Matrix,
+    lg: Logits,
+    cs: usize,
+    tiles: &[(usize, Range<usize>)],
+    candidates: &Range<usize>,
+    n_pool: usize,
+    channels: Option<&[usize]>,
+) -> (Vec<usize>, Vec<Vec<f64>>) {
+    let tile_mass: Vec<Vec<f64>> = tiles
+        .iter()
+        .map(|(t0, present)| {
+            let rows = tile_samples(*t0, present, TILE / POOL_SCAN_EVERY);
+            let attention: Vec<Vec<f64>> = rows
+                .iter()
+                .map(|&i| attention_before(q, k, lg, i, cs, channels))
+                .collect();
+            candidates
+                .clone()
+                .map(|j| attention.iter().map(|p| p[j]).sum::<f64>())
+                .collect()
+        })
+        .collect();
+    let mass: Vec<f64> = (0..candidates.len())
+        .map(|m| tile_mass.iter().map(|t| t[m]).sum())
+        .collect();
+    let mut pool = best(
+        &mass,
+        candidates.start,
+        (0..candidates.len()).collect(),
+        n_pool,
+    );
+    pool.sort_unstable();
+    (pool, tile_mass)
+}
+
+/// A tile's pool: the chunk's `pool` and the `n_own` candidates outside it with the most of
+/// the tile's scanned attention `mass`, ascending.
+fn tile_pool(pool: &[usize], mass: &[f64], candidates: &Range<usize>, n_own: usize) -> Vec<usize> {
+    let outside: Vec<usize> = (0..candidates.len())
+        .filter(|&m| pool.binary_search(&(candidates.start + m)).is_err())
+        .collect();
+    let mut p: Vec<usize> = pool.to_vec();
+    p.extend(best(mass, candidates.start, outside, n_own));
+    p.sort_unstable();
+    p
+}
+
+/// The `n` of `among` (indices into `mass`) with the most `mass`, highest first, ties to the
+/// lower; as positions (`first` + index).
+fn best(mass: &[f64], first: usize, mut among: Vec<usize>, n: usize) -> Vec<usize> {
+    among.sort_by(|&a, &b| mass[b].total_cmp(&mass[a]).then(a.cmp(&b)));
+    among.truncate(n);
+    among.into_iter().map(|m| first + m).collect()
 }
 
 /// Steps per unit: `total` steps, one at a time, to the unit whose estimate gains most (ties to
@@ -375,6 +478,7 @@ mod tests {
         coverage: 1.0,
         samples: 4,
         sketch: 1,
+        pool: 0,
     };
 
     fn params() -> H2oParams {
@@ -473,6 +577,7 @@ mod tests {
                     coverage: 1.0,
                     samples: [4, 8, 1][seed as usize % 3],
                     sketch: [1, 4, 2, 8][seed as usize % 4],
+                    pool: [0, MAX_HEAVY_FACTOR * heavy][seed as usize / 2 % 2],
                 };
                 let full = select_by_tiles(&p, &cp, &q, &k, scale, cs, rows.clone());
                 let part = select_by_tiles(
@@ -526,6 +631,36 @@ mod tests {
                     "seed {seed}: a lower target spends no more"
                 );
             }
+        }
+    }
+
+    /// A pool proposes only where the chunk has more candidates than a tile's pool holds: below
+    /// that the memories are those without a pool; above it they differ from them (these inputs
+    /// attend widely, so a pool of the minimum size misses positions the samples would choose).
+    #[test]
+    fn a_pool_acts_only_where_the_candidates_outnumber_it() {
+        let n = 4 * 128;
+        let (q, k, _) = inputs(n);
+        let p = params();
+        let pool = CoverageParams {
+            pool: MAX_HEAVY_FACTOR * p.heavy,
+            ..FULL
+        };
+        // chunk 1 has 128 − 16 − 2 = 110 candidates, chunk 3 has 366 (more than 160 + 40)
+        let without = select_by_tiles(&p, &FULL, &q, &k, 0.35, 128, 128..256);
+        assert_eq!(
+            select_by_tiles(&p, &pool, &q, &k, 0.35, 128, 128..256),
+            without
+        );
+        let without = select_by_tiles(&p, &FULL, &q, &k, 0.35, 384, 384..512);
+        let with = select_by_tiles(&p, &pool, &q, &k, 0.35, 384, 384..512);
+        assert_ne!(with, without);
+        for (a, b) in with.iter().flatten().zip(without.iter().flatten()) {
+            assert_eq!(
+                a.memory.len(),
+                b.memory.len(),
+                "the same budget, spent elsewhere"
+            );
         }
     }
 

@@ -188,6 +188,17 @@ struct h2o_coverage_scratch {
     std::vector<float>   x_cand; // [block][H2O_QT][H2O_KB]: a tile's logits, then attention, on k_cand
     std::vector<float>   score2; // per candidate: the whole tile's attention
     std::vector<double>  col;    // the same, summed in double for the estimate
+    // the chunk's pool (ggml_h2o_attn_set_coverage_pool), by candidate index (position - the first candidate)
+    std::vector<int64_t> scan_rows;  // the scan's sampled rows
+    std::vector<int32_t> scan_tile;  // the tile of each
+    std::vector<float>   tile_mass;  // [tile][candidate]: the attention of each tile's scanned rows
+    std::vector<float>   pool_mass;  // per candidate: summed over the chunk's tiles
+    std::vector<int32_t> pool;       // the chunk's pool, ascending
+    std::vector<uint8_t> in_pool;    // per candidate
+    std::vector<float>   k_pool;     // its keys in the proposal's channels, packed [block][R][H2O_KB]
+    std::vector<int32_t> own;        // what a tile adds to it, ascending
+    std::vector<float>   k_own;      // their keys, packed as k_pool's
+    std::vector<float>   mx_own;     // per sample: the maximum of its logits on them
 };
 
 // A sort key for rankings by score, highest first, ties to the lower index, NaN last: the score's bits, ordered and
@@ -269,25 +280,25 @@ static void h2o_coverage_sketch(std::vector<int32_t> & chan, std::vector<float> 
 }
 
 // the sampled rows of tiles ti_begin .. ti_end (every `every`-th of a tile, or its last row when it has none) into
-// w.rows, each one's tile into w.tile
-static void h2o_coverage_sample_rows(h2o_coverage_scratch & w, int64_t t_first, int32_t i_begin, int32_t q_end,
-        int64_t ti_begin, int64_t ti_end, int32_t every) {
-    w.rows.clear();
-    w.tile.clear();
+// rows, each one's tile into tile
+static void h2o_coverage_sample_rows(std::vector<int64_t> & rows, std::vector<int32_t> & tile, int64_t t_first,
+        int32_t i_begin, int32_t q_end, int64_t ti_begin, int64_t ti_end, int32_t every) {
+    rows.clear();
+    tile.clear();
     for (int64_t ti = ti_begin; ti < ti_end; ++ti) {
         const int64_t t0 = t_first + ti*H2O_QT;
         const int64_t r0 = std::max<int64_t>(t0, i_begin);
         const int64_t r1 = std::min<int64_t>(t0 + H2O_QT, q_end);
-        const size_t before = w.rows.size();
+        const size_t before = rows.size();
         for (int64_t i = r0; i < r1; ++i) {
             if ((i - t0) % every == every - 1) {
-                w.rows.push_back(i);
-                w.tile.push_back((int32_t) ti);
+                rows.push_back(i);
+                tile.push_back((int32_t) ti);
             }
         }
-        if (w.rows.size() == before) {
-            w.rows.push_back(r1 - 1);
-            w.tile.push_back((int32_t) ti);
+        if (rows.size() == before) {
+            rows.push_back(r1 - 1);
+            tile.push_back((int32_t) ti);
         }
     }
 }
@@ -312,16 +323,12 @@ static const float * h2o_coverage_pack_far(h2o_coverage_scratch & w, int64_t ikv
     return R < D ? w.k_sketch.data() : w.k_far.data();
 }
 
-// Stage 1 of one tile, its samples w.rows[r_first .. r_end): their logits against every position before the chunk
-// (exact, or in the sketch's R channels), a key block at a time into their rows; then each one's attention over them.
-// The n_rank candidates of cand_begin .. cand_begin + n_cand with the most of the samples' attention go to rk, best
-// first, ties to the lower position, NaN last
-static void h2o_coverage_propose(h2o_coverage_scratch & w, const ggml_tensor * q, int64_t ih, int32_t p0, int32_t cs,
-        const h2o_head_logits & lg, int64_t D, int64_t R, const float * k_prop, int64_t r_first, int64_t r_end,
-        int32_t cand_begin, int32_t n_cand, int32_t n_rank, std::vector<int32_t> & rk) {
-    for (int64_t r = r_first; r < r_end; ++r) {
-        const float * qr = (const float *) ((const char *) q->data + (w.rows[r] - p0)*q->nb[2] + ih*q->nb[1]);
-        float * qs = w.q_samp.data() + (r - r_first)*R;
+// The queries of rows[0 .. n) into w.q_samp, pre-scaled, in the proposal's R channels (the sketch's, or all D)
+static void h2o_coverage_load_samples(h2o_coverage_scratch & w, const ggml_tensor * q, int64_t ih, int32_t p0,
+        const h2o_head_logits & lg, int64_t D, int64_t R, const int64_t * rows, int64_t n) {
+    for (int64_t r = 0; r < n; ++r) {
+        const float * qr = (const float *) ((const char *) q->data + (rows[r] - p0)*q->nb[2] + ih*q->nb[1]);
+        float * qs = w.q_samp.data() + r*R;
         if (R < D) {
             for (int64_t c = 0; c < R; ++c) {
                 qs[c] = qr[w.chan[c]]*lg.scale;
@@ -330,25 +337,158 @@ static void h2o_coverage_propose(h2o_coverage_scratch & w, const ggml_tensor * q
             ggml_vec_scale_f32((int) D, (float *) memcpy(qs, qr, D*sizeof(float)), lg.scale);
         }
     }
-    w.mx.resize(r_end - r_first);
-    h2o_sample_logits(w.p.data(), cs, w.mx.data(), w.q_samp.data(), r_end - r_first, R, k_prop, cs, lg.softcap);
+}
 
-    // each sample's attention goes into the scores right after its softmax, while its row is in cache, a block at a time
-    std::fill(w.score.begin(), w.score.end(), 0.0f);
-    for (int64_t r = r_first; r < r_end; ++r) {
-        float * pr = w.p.data() + (r - r_first)*cs;
-        const ggml_float z = ggml_vec_soft_max_f32((int) cs, pr, pr, w.mx[r - r_first]);
+// The attention of the n_rows queries whose logits are the rows of w.p (n each, leading dimension n) and whose maxima
+// are w.mx: a softmax over all n per query; what each gives to the keys out_begin .. out_begin + n_out is added to out
+static void h2o_coverage_accumulate(h2o_coverage_scratch & w, int64_t n_rows, int64_t n, int32_t out_begin,
+        int32_t n_out, float * out) {
+    // each query's attention goes into out right after its softmax, while its row is in cache, a block at a time
+    for (int64_t r = 0; r < n_rows; ++r) {
+        float * pr = w.p.data() + r*n;
+        const ggml_float z = ggml_vec_soft_max_f32((int) n, pr, pr, w.mx[r]);
         const float f = (float) (1.0/z);
-        for (int32_t j0 = 0; j0 < n_cand; j0 += H2O_TAIL_SPAN) {
-            const int n = (int) std::min<int64_t>(H2O_TAIL_SPAN, n_cand - j0);
-            ggml_vec_scale_f32(n, pr + cand_begin + j0, f);
-            ggml_vec_acc_f32(n, w.score.data() + j0, pr + cand_begin + j0);
+        for (int32_t j0 = 0; j0 < n_out; j0 += H2O_TAIL_SPAN) {
+            const int m = (int) std::min<int64_t>(H2O_TAIL_SPAN, n_out - j0);
+            ggml_vec_scale_f32(m, pr + out_begin + j0, f);
+            ggml_vec_acc_f32(m, out + j0, pr + out_begin + j0);
         }
     }
-    for (int32_t j = 0; j < n_cand; ++j) {
-        w.key[j] = h2o_rank_key(w.score[j], j);
+}
+
+// The attention of the n_rows queries in w.q_samp over the n keys of k_keys (packed, R channels), a softmax over all n
+// per query, their logits a key block at a time into their rows of w.p; what each gives to the keys out_begin ..
+// out_begin + n_out is added to out
+static void h2o_coverage_sample_attention(h2o_coverage_scratch & w, int64_t n_rows, int64_t R, const float * k_keys,
+        int64_t n, float softcap, int32_t out_begin, int32_t n_out, float * out) {
+    w.mx.resize(n_rows);
+    h2o_sample_logits(w.p.data(), n, w.mx.data(), w.q_samp.data(), n_rows, R, k_keys, n, softcap);
+    h2o_coverage_accumulate(w, n_rows, n, out_begin, n_out, out);
+}
+
+// The keys of the n candidates idx[0 .. n) (positions cand_begin + idx[m]) in the proposal's R channels, gathered from
+// the packed keys of every position k_prop into dst, packed as they are ([block][R][H2O_KB])
+static void h2o_coverage_gather(std::vector<float> & dst, const float * k_prop, int64_t R, int32_t cand_begin,
+        const int32_t * idx, int32_t n) {
+    dst.assign((size_t) h2o_n_blocks(n)*R*H2O_KB, 0.0f);
+    for (int32_t m = 0; m < n; ++m) {
+        const int64_t pos = cand_begin + idx[m];
+        const float * src = k_prop + (pos/H2O_KB)*R*H2O_KB + pos%H2O_KB;
+        float       * out = dst.data() + (m/H2O_KB)*R*H2O_KB + m%H2O_KB;
+        for (int64_t c = 0; c < R; ++c) {
+            out[c*H2O_KB] = src[c*H2O_KB];
+        }
     }
-    std::nth_element(w.key.begin(), w.key.begin() + n_rank, w.key.begin() + n_cand);
+}
+
+// The n_top of score[0 .. n) that are highest, best first, ties to the lower index, NaN last: their indices into top
+static void h2o_coverage_top(h2o_coverage_scratch & w, const float * score, int32_t n, int32_t n_top,
+        std::vector<int32_t> & top) {
+    for (int32_t j = 0; j < n; ++j) {
+        w.key[j] = h2o_rank_key(score[j], j);
+    }
+    std::nth_element(w.key.begin(), w.key.begin() + n_top, w.key.begin() + n);
+    h2o_sort_keys(w.key.data(), n_top);
+    top.resize(n_top);
+    for (int32_t m = 0; m < n_top; ++m) {
+        top[m] = (int32_t) (uint32_t) w.key[m];
+    }
+}
+
+// Stage 1 of one tile, its samples w.rows[r_first .. r_end): their logits against every position before the chunk
+// (exact, or in the sketch's R channels), and each one's attention over them. The n_rank candidates of cand_begin ..
+// cand_begin + n_cand with the most of the samples' attention go to rk, best first, ties to the lower position, NaN
+// last
+static void h2o_coverage_propose(h2o_coverage_scratch & w, const ggml_tensor * q, int64_t ih, int32_t p0, int32_t cs,
+        const h2o_head_logits & lg, int64_t D, int64_t R, const float * k_prop, int64_t r_first, int64_t r_end,
+        int32_t cand_begin, int32_t n_cand, int32_t n_rank, std::vector<int32_t> & rk) {
+    h2o_coverage_load_samples(w, q, ih, p0, lg, D, R, w.rows.data() + r_first, r_end - r_first);
+    std::fill(w.score.begin(), w.score.end(), 0.0f);
+    h2o_coverage_sample_attention(w, r_end - r_first, R, k_prop, cs, lg.softcap, cand_begin, n_cand, w.score.data());
+    h2o_coverage_top(w, w.score.data(), n_cand, n_rank, rk);
+    for (int32_t & j : rk) {
+        j += cand_begin;
+    }
+}
+
+// The chunk's pool of one head (ggml_h2o_attn_set_coverage_pool): the scan's rows (every GGML_H2O_POOL_SCAN_EVERY-th
+// query of each of the chunk's n_t tiles) attend, as stage 1's samples do, to every position before the chunk; each
+// tile's attention on the candidates goes to w.tile_mass, the n_pool candidates with the most of all tiles' attention,
+// ascending, to w.pool, and their keys to w.k_pool
+static void h2o_coverage_scan(h2o_coverage_scratch & w, const ggml_tensor * q, int64_t ih, int32_t p0, int32_t cs,
+        const h2o_head_logits & lg, int64_t D, int64_t R, const float * k_prop, int64_t t_first, int32_t i_begin,
+        int32_t q_end, int64_t n_t, int32_t n_cand, int32_t cand_begin, int32_t n_pool) {
+    h2o_coverage_sample_rows(w.scan_rows, w.scan_tile, t_first, i_begin, q_end, 0, n_t, GGML_H2O_POOL_SCAN_EVERY);
+    w.tile_mass.assign((size_t) n_t*n_cand, 0.0f);
+    const int64_t n_s = (int64_t) w.scan_rows.size();
+    for (int64_t r_first = 0; r_first < n_s; ) {
+        int64_t r_end = r_first;
+        while (r_end < n_s && w.scan_tile[r_end] == w.scan_tile[r_first]) {
+            ++r_end;
+        }
+        h2o_coverage_load_samples(w, q, ih, p0, lg, D, R, w.scan_rows.data() + r_first, r_end - r_first);
+        h2o_coverage_sample_attention(w, r_end - r_first, R, k_prop, cs, lg.softcap, cand_begin, n_cand,
+                w.tile_mass.data() + (size_t) w.scan_tile[r_first]*n_cand);
+        r_first = r_end;
+    }
+    w.pool_mass.assign(n_cand, 0.0f);
+    for (int64_t ti = 0; ti < n_t; ++ti) {
+        ggml_vec_acc_f32(n_cand, w.pool_mass.data(), w.tile_mass.data() + (size_t) ti*n_cand);
+    }
+    h2o_coverage_top(w, w.pool_mass.data(), n_cand, n_pool, w.pool);
+    std::sort(w.pool.begin(), w.pool.end());
+    w.in_pool.assign(n_cand, 0);
+    for (int32_t j : w.pool) {
+        w.in_pool[j] = 1;
+    }
+    h2o_coverage_gather(w.k_pool, k_prop, R, cand_begin, w.pool.data(), n_pool);
+}
+
+// Stage 1 of tile ti with a pool: its pool is the chunk's and the n_own candidates outside it with the most of the
+// tile's own scanned attention (ties to the lower position); its samples w.rows[r_first .. r_end) attend to those
+// alone, on their keys in the R channels (a softmax over the tile's pool), and the n_rank with the most of that
+// attention go to rk, best first, ties to the lower position, NaN last. The chunk's part of the pool and its keys are
+// the scan's, shared by the tiles; only the tile's own are gathered here
+static void h2o_coverage_propose_pooled(h2o_coverage_scratch & w, const ggml_tensor * q, int64_t ih, int32_t p0,
+        const h2o_head_logits & lg, int64_t D, int64_t R, const float * k_prop, int64_t ti, int64_t r_first,
+        int64_t r_end, int32_t cand_begin, int32_t n_cand, int32_t n_own, int32_t n_rank, std::vector<int32_t> & rk) {
+    // the tile's best outside the pool, by candidate index
+    const float * mass = w.tile_mass.data() + (size_t) ti*n_cand;
+    int32_t n_out = 0;
+    for (int32_t j = 0; j < n_cand; ++j) {
+        if (!w.in_pool[j]) {
+            w.key[n_out++] = h2o_rank_key(mass[j], j);
+        }
+    }
+    std::nth_element(w.key.begin(), w.key.begin() + n_own, w.key.begin() + n_out);
+    w.own.resize(n_own);
+    for (int32_t m = 0; m < n_own; ++m) {
+        w.own[m] = (int32_t) (uint32_t) w.key[m];
+    }
+    std::sort(w.own.begin(), w.own.end());
+    h2o_coverage_gather(w.k_own, k_prop, R, cand_begin, w.own.data(), n_own);
+
+    // the samples' logits on the chunk's pool (packed once, by h2o_coverage_scan), then on the tile's own, in one row
+    const int32_t n_pool = (int32_t) w.pool.size();
+    const int32_t n      = n_pool + n_own;
+    const int64_t n_rows = r_end - r_first;
+    h2o_coverage_load_samples(w, q, ih, p0, lg, D, R, w.rows.data() + r_first, n_rows);
+    w.mx.resize(n_rows);
+    w.mx_own.resize(n_rows);
+    h2o_sample_logits(w.p.data(), n, w.mx.data(), w.q_samp.data(), n_rows, R, w.k_pool.data(), n_pool, lg.softcap);
+    h2o_sample_logits(w.p.data() + n_pool, n, w.mx_own.data(), w.q_samp.data(), n_rows, R, w.k_own.data(), n_own,
+            lg.softcap);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        w.mx[r] = std::max(w.mx[r], w.mx_own[r]);
+    }
+    std::fill(w.score.begin(), w.score.begin() + n, 0.0f);
+    h2o_coverage_accumulate(w, n_rows, n, 0, n, w.score.data());
+
+    // the ranking by candidate index, whichever part holds it
+    for (int32_t m = 0; m < n; ++m) {
+        w.key[m] = h2o_rank_key(w.score[m], m < n_pool ? w.pool[m] : w.own[m - n_pool]);
+    }
+    std::nth_element(w.key.begin(), w.key.begin() + n_rank, w.key.begin() + n);
     h2o_sort_keys(w.key.data(), n_rank);
     rk.resize(n_rank);
     for (int32_t m = 0; m < n_rank; ++m) {
@@ -446,7 +586,7 @@ static void h2o_coverage_rank(h2o_coverage_scratch & w, std::vector<int32_t> & r
 template <typename KRow>
 static H2O_NOINLINE void h2o_coverage_estimate(const ggml_tensor * q, int64_t ih, int64_t ikv, int32_t p0, int32_t cs,
         int32_t i_begin, int32_t q_end, int64_t ti_begin, int64_t ti_end, const h2o_head_logits & lg, int32_t every,
-        int32_t sketch, KRow && k_row, const std::vector<int32_t> & forced,
+        int32_t sketch, int32_t n_pool, KRow && k_row, const std::vector<int32_t> & forced,
         int32_t cand_begin, int32_t cand_end, int32_t n_rank, int32_t n_steps,
         std::vector<int32_t> * ranked, double * curve, int64_t stride,
         int64_t Dv, int32_t tail_start, const float * k_chunk, const float * v_chunk, float * acc_tiles, int64_t acc_stride,
@@ -456,7 +596,7 @@ static H2O_NOINLINE void h2o_coverage_estimate(const ggml_tensor * q, int64_t ih
     const int64_t R       = D/sketch;
     const int64_t t_first = cs + (int64_t) (i_begin - cs)/H2O_QT*H2O_QT;
 
-    h2o_coverage_sample_rows(w, t_first, i_begin, q_end, ti_begin, ti_end, every);
+    h2o_coverage_sample_rows(w.rows, w.tile, t_first, i_begin, q_end, ti_begin, ti_end, every);
     const int64_t n_s = (int64_t) w.rows.size();
     const float * k_prop = h2o_coverage_pack_far(w, ikv, q_end, D, R, k_row);
     // a tile's samples (at most H2O_QT) at a time, so that their attention rows stay small: many samples over a long
@@ -469,6 +609,13 @@ static H2O_NOINLINE void h2o_coverage_estimate(const ggml_tensor * q, int64_t ih
     w.order.resize(n_cand);
     w.key  .resize(n_cand);
     w.slot .resize(n_cand);
+    // with a pool, only where the chunk has more candidates than a tile's pool holds
+    const int32_t n_own  = n_pool/GGML_H2O_POOL_OWN;
+    const bool    pooled = n_pool > 0 && n_cand > n_pool + n_own;
+    if (pooled) {
+        const int64_t n_t = (q_end - t_first + H2O_QT - 1)/H2O_QT;
+        h2o_coverage_scan(w, q, ih, p0, cs, lg, D, R, k_prop, t_first, i_begin, q_end, n_t, n_cand, cand_begin, n_pool);
+    }
     for (int64_t ti = ti_begin, r_first = 0; ti < ti_end; ++ti) {
         int64_t r_end = r_first;
         while (r_end < n_s && w.tile[r_end] == ti) {
@@ -477,7 +624,13 @@ static H2O_NOINLINE void h2o_coverage_estimate(const ggml_tensor * q, int64_t ih
         const int64_t t0 = t_first + ti*H2O_QT;
         const int64_t r0 = std::max<int64_t>(t0, i_begin);
         const int64_t r1 = std::min<int64_t>(t0 + H2O_QT, q_end);
-        h2o_coverage_propose(w, q, ih, p0, cs, lg, D, R, k_prop, r_first, r_end, cand_begin, n_cand, n_rank, ranked[ti]);
+        if (pooled) {
+            h2o_coverage_propose_pooled(w, q, ih, p0, lg, D, R, k_prop, ti, r_first, r_end, cand_begin, n_cand, n_own,
+                    n_rank, ranked[ti]);
+        } else {
+            h2o_coverage_propose(w, q, ih, p0, cs, lg, D, R, k_prop, r_first, r_end, cand_begin, n_cand, n_rank,
+                    ranked[ti]);
+        }
         const double covered = h2o_coverage_attend_candidates(w, s, q, ih, p0, cs, r0, r1, Dv, lg, tail_start, k_chunk,
                 v_chunk, acc_tiles + ti*acc_stride, o_intra + ti*H2O_QT*Dv, part_intra + ti*H2O_QT, k_row, forced,
                 ranked[ti]);
@@ -585,6 +738,7 @@ struct h2o_coverage_call {
     float   coverage;
     int32_t every;  // a sampled query in every `every`
     int32_t sketch; // the proposal's logits over D/sketch channels
+    int32_t pool;   // the chunk's pool of candidates that the proposals read (0: none, every candidate)
 
     int64_t D;
     int64_t Dv;
@@ -686,6 +840,7 @@ struct h2o_coverage_call {
         coverage  (ggml_get_op_params_f32(dst, GGML_H2O_ATTN_COVERAGE)),
         every     (H2O_QT/ggml_get_op_params_i32(dst, GGML_H2O_ATTN_N_SAMPLE)),
         sketch    (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SKETCH)),
+        pool      (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_POOL)),
         D(q->ne[0]), Dv(v->ne[0]), n_head(q->ne[1]), n_tokens(q->ne[2]), n_head_kv(k->ne[1]),
         n_gqa(n_head/n_head_kv), kv_size(scores->ne[0]), M(L + H), p1(p0 + (int32_t) n_tokens),
         n_steps_max((GGML_H2O_MAX_HEAVY_FACTOR*H + GGML_H2O_BUDGET_STEP - 1)/GGML_H2O_BUDGET_STEP),
@@ -797,7 +952,7 @@ struct h2o_coverage_call {
                 std::fill_n(sh.cols + (ih*n_tiles + ti)*S, r1 - cs, 0.0f);
             }
             h2o_coverage_estimate(q, ih, ikv, p0, cs, i_begin, q_end, ti_begin, ti_end, h2o_logits_of(dst, ih), every,
-                    sketch, [&](int64_t pos) { return k_row(pos, ikv); },
+                    sketch, pool, [&](int64_t pos) { return k_row(pos, ikv); },
                     forced, sink_end, local_start, n_rank, n_steps, ranked.data() + ih*n_tiles,
                     sh.curves + ih*n_tiles*stride, stride, Dv, tail_start, k_chunk.data(), v_chunk.data(),
                     sh.cols + ih*n_tiles*S, S,

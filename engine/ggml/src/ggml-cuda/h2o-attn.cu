@@ -17,13 +17,13 @@ bool ggml_cuda_h2o_attn_supported(int device, const ggml_tensor * dst) {
     // and the updated scores and memory sets would never reach the GPU: llama refuses such a context, naming the
     // reason (llama_h2o_check_placement). So refuse only what these kernels do not implement: coverage selection with
     // heads larger than 256 or not a multiple of 4, or heavy budgets beyond H2O_COV_MAX_RANK/H2O_COV_FACTOR (its ranking
-    // sorts 4 H candidates per tile in shared memory). Shapes too large for shared memory are stopped in
-    // ggml_cuda_op_h2o_attn instead.
+    // sorts 4 H candidates per tile in shared memory), or a proposal from a pool (ggml_h2o_attn_set_coverage_pool),
+    // which only the CPU's kernels run. Shapes too large for shared memory are stopped in ggml_cuda_op_h2o_attn instead.
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
     if (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_SELECT) == GGML_H2O_SELECT_COVERAGE &&
-        (q->ne[0] > H2O_SELECT_MAX_D || v->ne[0] > H2O_SELECT_MAX_D || q->ne[0] % 4 != 0 ||
+        (ggml_get_op_params_i32(dst, GGML_H2O_ATTN_POOL) != 0 || q->ne[0] > H2O_SELECT_MAX_D || v->ne[0] > H2O_SELECT_MAX_D || q->ne[0] % 4 != 0 ||
          (int64_t) H2O_COV_FACTOR*ggml_get_op_params_i32(dst, GGML_H2O_ATTN_HEAVY) > H2O_COV_MAX_RANK)) {
         return false;
     }
