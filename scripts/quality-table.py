@@ -18,6 +18,8 @@ def label(h2o):
             sel += f" sketch/{h2o['tile_sketch']}"
         if h2o.get("coverage", 1.0) < 1.0:
             sel += f"@{h2o['coverage']:g}"
+        if h2o.get("tile_pool", 0) > 0:
+            sel += f" pool/{h2o['tile_pool']}"
     return f"{sel} L{h2o['local']} H{h2o['heavy']} sink {h2o['sink']} tail {h2o['dense_tail']}"
 
 

@@ -947,7 +947,7 @@ fn check_coverage_selection(
             coverage: f64::from(coverage),
             samples: samples as usize,
             sketch: sketch as usize,
-            pool: pool as usize,
+            pool,
         };
         let r = h2o_attention_coverage(&q, &k, &v, t.logits, &params, &cp, &calls);
         if pool > 0 {
