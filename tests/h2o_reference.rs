@@ -710,93 +710,27 @@ fn hybrid_selection_matches_the_reference(m: &Model) {
 /// and 348 candidates), proposing among a pool of 4 H (`h2o_tile_pool`).
 #[test]
 fn coverage_selection_matches_the_reference_in_every_layer() {
-    check_coverage_selection(
-        common::model(),
-        &prompt(common::model()),
-        TAIL,
-        1.0,
-        4,
-        1,
-        0,
-    );
-    check_coverage_selection(
-        common::model(),
-        &prompt(common::model()),
-        TAIL,
-        0.9,
-        16,
-        1,
-        0,
-    );
-    check_coverage_selection(
-        common::model(),
-        &prompt(common::model()),
-        TAIL,
-        1.0,
-        32,
-        4,
-        0,
-    );
-    check_coverage_selection(
-        common::model(),
-        &prompt(common::model()),
-        TAIL,
-        0.9,
-        16,
-        8,
-        0,
-    );
-    check_coverage_selection(
-        common::model(),
-        &prompt(common::model()),
-        TAIL,
-        1.0,
-        64,
-        4,
-        4 * H,
-    );
+    let (m, tokens) = (common::model(), prompt(common::model()));
+    // (γ, samples, sketch, pool)
+    for (coverage, samples, sketch, pool) in [
+        (1.0, 4, 1, 0),
+        (0.9, 16, 1, 0),
+        (1.0, 32, 4, 0),
+        (0.9, 16, 8, 0),
+        (1.0, 64, 4, 4 * H),
+    ] {
+        check_coverage_selection(m, &tokens, TAIL, coverage, samples, sketch, pool);
+    }
 }
 
 /// Gemma 3 270M, coverage selection on its global layers; 64 samples on half the channels is
 /// what a session chooses for its 256-channel key heads; with and without a pool.
 #[test]
 fn gemma3_coverage_selection_matches_the_reference_on_the_global_layers() {
-    check_coverage_selection(
-        common::gemma(),
-        &prompt(common::gemma()),
-        TAIL,
-        1.0,
-        4,
-        1,
-        0,
-    );
-    check_coverage_selection(
-        common::gemma(),
-        &prompt(common::gemma()),
-        TAIL,
-        1.0,
-        32,
-        4,
-        0,
-    );
-    check_coverage_selection(
-        common::gemma(),
-        &prompt(common::gemma()),
-        TAIL,
-        1.0,
-        64,
-        2,
-        0,
-    );
-    check_coverage_selection(
-        common::gemma(),
-        &prompt(common::gemma()),
-        TAIL,
-        1.0,
-        64,
-        2,
-        4 * H,
-    );
+    let tokens = prompt(common::gemma());
+    for (samples, sketch, pool) in [(4, 1, 0), (32, 4, 0), (64, 2, 0), (64, 2, 4 * H)] {
+        check_coverage_selection(common::gemma(), &tokens, TAIL, 1.0, samples, sketch, pool);
+    }
 }
 
 /// A coverage policy that leaves the sketch out gets the one recommended for the model's key

@@ -534,7 +534,8 @@ impl SessionConfig {
                 ));
             }
             if h2o.tile_pool > 0
-                && (h2o.select != Selection::Coverage || h2o.tile_pool < 4 * h2o.heavy)
+                && (h2o.select != Selection::Coverage
+                    || u64::from(h2o.tile_pool) < 4 * u64::from(h2o.heavy))
             {
                 return bad(format!(
                     "H2O --h2o-tile-pool {} must be 0 (off) or, with --h2o-select coverage, at least \
