@@ -381,18 +381,24 @@ static void h2o_coverage_gather(std::vector<float> & dst, const float * k_prop, 
     }
 }
 
-// The n_top of score[0 .. n) that are highest, best first, ties to the lower index, NaN last: their indices into top
-static void h2o_coverage_top(h2o_coverage_scratch & w, const float * score, int32_t n, int32_t n_top,
-        std::vector<int32_t> & top) {
-    for (int32_t j = 0; j < n; ++j) {
-        w.key[j] = h2o_rank_key(score[j], j);
-    }
+// The n_top first of the rank keys w.key[0 .. n) (h2o_rank_key: the highest scores, ties to the lower index, NaN
+// last), best first: the indices they carry into top
+static void h2o_coverage_top_keys(h2o_coverage_scratch & w, int32_t n, int32_t n_top, std::vector<int32_t> & top) {
     std::nth_element(w.key.begin(), w.key.begin() + n_top, w.key.begin() + n);
     h2o_sort_keys(w.key.data(), n_top);
     top.resize(n_top);
     for (int32_t m = 0; m < n_top; ++m) {
         top[m] = (int32_t) (uint32_t) w.key[m];
     }
+}
+
+// The n_top of score[0 .. n) that are highest, best first, ties to the lower index, NaN last: their indices into top
+static void h2o_coverage_top(h2o_coverage_scratch & w, const float * score, int32_t n, int32_t n_top,
+        std::vector<int32_t> & top) {
+    for (int32_t j = 0; j < n; ++j) {
+        w.key[j] = h2o_rank_key(score[j], j);
+    }
+    h2o_coverage_top_keys(w, n, n_top, top);
 }
 
 // Stage 1 of one tile, its samples w.rows[r_first .. r_end): their logits against every position before the chunk
@@ -460,11 +466,7 @@ static void h2o_coverage_propose_pooled(h2o_coverage_scratch & w, const ggml_ten
             w.key[n_out++] = h2o_rank_key(mass[j], j);
         }
     }
-    std::nth_element(w.key.begin(), w.key.begin() + n_own, w.key.begin() + n_out);
-    w.own.resize(n_own);
-    for (int32_t m = 0; m < n_own; ++m) {
-        w.own[m] = (int32_t) (uint32_t) w.key[m];
-    }
+    h2o_coverage_top_keys(w, n_out, n_own, w.own);
     std::sort(w.own.begin(), w.own.end());
     h2o_coverage_gather(w.k_own, k_prop, R, cand_begin, w.own.data(), n_own);
 
@@ -488,11 +490,9 @@ static void h2o_coverage_propose_pooled(h2o_coverage_scratch & w, const ggml_ten
     for (int32_t m = 0; m < n; ++m) {
         w.key[m] = h2o_rank_key(w.score[m], m < n_pool ? w.pool[m] : w.own[m - n_pool]);
     }
-    std::nth_element(w.key.begin(), w.key.begin() + n_rank, w.key.begin() + n);
-    h2o_sort_keys(w.key.data(), n_rank);
-    rk.resize(n_rank);
-    for (int32_t m = 0; m < n_rank; ++m) {
-        rk[m] = cand_begin + (int32_t) (uint32_t) w.key[m];
+    h2o_coverage_top_keys(w, n, n_rank, rk);
+    for (int32_t & j : rk) {
+        j += cand_begin;
     }
 }
 
