@@ -22,6 +22,7 @@ mod attention;
 mod estimates;
 pub mod remainder;
 mod strategies;
+pub mod study;
 
 pub use allocate::{Pool, STEP};
 pub use attention::ChunkAttention;

@@ -37,11 +37,9 @@
 //! or a GGUF file; the default model without it.)
 
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::sync::atomic::AtomicBool;
 
-use h2o_llama::{default_model, models, Model, ModelParams};
-use h2o_research::coverage::{capture_dense, ChunkAttention, DenseLayer, StudyConfig};
+use h2o_research::coverage::study::{self, sketch, sketch_proposal, top, StudyArgs};
+use h2o_research::coverage::{ChunkAttention, DenseLayer, StudyConfig};
 
 const CHUNK: usize = 1024;
 const LOCAL: usize = 256;
@@ -109,84 +107,6 @@ fn add(sum: &mut [f32], row: &[f32]) {
     for (x, &y) in sum.iter_mut().zip(row) {
         *x += y;
     }
-}
-
-/// The `n` positions of `among` with the largest `mass`, best first (ties to the lower).
-fn top(mass: &[f32], among: &[usize], n: usize) -> Vec<usize> {
-    let mut v: Vec<usize> = among.to_vec();
-    v.sort_by(|&x, &y| mass[y].total_cmp(&mass[x]).then(x.cmp(&y)));
-    v.truncate(n);
-    v
-}
-
-/// The kernel's proposal for the rows of a tile: each query's logits on the sketch's channels
-/// (`chan`; keys `ks`, `start × chan.len()`), a softmax over `among`, summed over the queries.
-fn sketch_proposal(
-    layer: &DenseLayer,
-    h: usize,
-    queries: &[usize],
-    chan: &[usize],
-    ks: &[f32],
-    among: &[usize],
-    start: usize,
-) -> Vec<f32> {
-    let r = chan.len();
-    let mut mass = vec![0f32; start];
-    let mut logits = vec![0f32; among.len()];
-    for &i in queries {
-        let q = layer.q_row(i, h);
-        let qs: Vec<f32> = chan.iter().map(|&c| q[c] * layer.scale).collect();
-        for (l, &j) in logits.iter_mut().zip(among) {
-            *l = dot(&qs, &ks[j * r..(j + 1) * r]);
-        }
-        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut z = 0f64;
-        for l in &mut logits {
-            *l = (*l - m).exp();
-            z += f64::from(*l);
-        }
-        let inv = (1.0 / z) as f32;
-        for (&e, &j) in logits.iter().zip(among) {
-            mass[j] += e * inv;
-        }
-    }
-    mass
-}
-
-/// `a · b` with eight running sums, so that the compiler vectorises it.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let tail = a.len() / 8 * 8;
-    acc.iter().sum::<f32>() + a[tail..].iter().zip(&b[tail..]).map(|(x, y)| x * y).sum::<f32>()
-}
-
-/// The sketch's channels for head `h`'s KV head: the `d / sketch` with the most key energy over
-/// the positions `[0, end)`, ties to the lower channel, ascending; and the keys of `[0, start)` in
-/// those channels.
-fn sketch(layer: &DenseLayer, h: usize, start: usize, end: usize) -> (Vec<usize>, Vec<f32>) {
-    let d = layer.head_dim;
-    let r = d / if d > 128 { 2 } else { 4 };
-    let mut energy = vec![0f64; d];
-    for j in 0..end {
-        for (e, &x) in energy.iter_mut().zip(layer.k_row(j, h)) {
-            *e += f64::from(x) * f64::from(x);
-        }
-    }
-    let mut chan: Vec<usize> = (0..d).collect();
-    chan.sort_by(|&a, &b| energy[b].total_cmp(&energy[a]).then(a.cmp(&b)));
-    chan.truncate(r);
-    chan.sort_unstable();
-    let mut ks = Vec::with_capacity(start * r);
-    for j in 0..start {
-        let k = layer.k_row(j, h);
-        ks.extend(chan.iter().map(|&c| k[c]));
-    }
-    (chan, ks)
 }
 
 /// The sampled queries of the tile whose first position is `t0` (rows `t0 .. end` present):
@@ -329,33 +249,9 @@ fn head_run(layer: &DenseLayer, h: usize, n: usize) -> Vec<ChunkResult> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (text, n, layers_arg, model_arg) = match args.as_slice() {
-        [t, n, l] => (t, n, l, None),
-        [t, n, l, m] => (t, n, l, Some(m)),
-        _ => return Err("usage: chunk_pool TEXT N LAYERS|all [MODEL]".into()),
-    };
-    let n: usize = n.parse()?;
-    let wanted: Option<Vec<u32>> = if layers_arg == "all" {
-        None
-    } else {
-        Some(layers_arg.split(',').map(str::parse).collect::<Result<_, _>>()?)
-    };
-    let log = |m: &str| eprintln!("{m}");
-    let path = match model_arg {
-        Some(m) => models::resolve(Path::new(m), log, &AtomicBool::new(false))?,
-        None => default_model::ensure(log)?,
-    };
-    let model = Model::load(&path, &ModelParams::default())?;
-    let mut tokens = model.tokenize(&std::fs::read_to_string(text)?, true, false)?;
-    if tokens.len() < n {
-        return Err(format!("{text} has {} tokens, fewer than {n}", tokens.len()).into());
-    }
-    tokens.truncate(n);
-    let clock = std::time::Instant::now();
-    eprintln!("chunk_pool: full-attention prefill of {n} tokens, capturing {layers_arg}");
-    let layers = capture_dense(&model, &tokens, wanted.as_deref(), 2)?;
-    eprintln!("chunk_pool: captured in {:.0} s", clock.elapsed().as_secs_f64());
+    let args = StudyArgs::parse("chunk_pool", &std::env::args().skip(1).collect::<Vec<_>>())?;
+    let captured = study::capture("chunk_pool", &args)?;
+    let (n, text, layers, clock) = (args.n, args.text.display(), &captured.layers, captured.clock);
     let names: Vec<u32> = layers.iter().map(|l| l.layer).collect();
     let first = &layers[0];
     println!(
@@ -364,10 +260,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
          candidates from all 64 queries of the tile on a key sketch, the pools \
          by every {SCAN_EVERY}th query of each tile; chunks 1 on. Mean covered share of the \
          tile's attention.\n",
-        path.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
-        first.n_head,
-        first.n_head_kv,
-        first.head_dim,
+        captured.model_file, first.n_head, first.n_head_kv, first.head_dim,
     );
     println!("| layer | {} |", VARIANTS.join(" | "));
     println!("|---:|{}", "---:|".repeat(VARIANTS.len()));
@@ -376,7 +269,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // per chunk start: sums, tiles, pool sizes summed over heads, heads
     let mut by_chunk: BTreeMap<usize, ([f64; VARIANTS.len()], usize, [usize; POOLS.len()], usize)> =
         BTreeMap::new();
-    for layer in &layers {
+    for layer in layers {
         eprintln!(
             "chunk_pool: layer {} ({:.0} s)",
             layer.layer,

@@ -35,11 +35,8 @@
 //! (LAYERS: comma-separated, or `all` for every layer with full attention; MODEL: a known model's
 //! name such as `gemma3-270m`, or a GGUF file; the default model without it.)
 
-use std::path::Path;
-use std::sync::atomic::AtomicBool;
-
-use h2o_llama::{default_model, models, Model, ModelParams};
-use h2o_research::coverage::{capture_dense, ChunkAttention, DenseLayer, StudyConfig};
+use h2o_research::coverage::study::{self, dot, energy_order, sketch, sketch_proposal, top, StudyArgs};
+use h2o_research::coverage::{ChunkAttention, DenseLayer, StudyConfig};
 
 const CHUNK: usize = 1024;
 const LOCAL: usize = 256;
@@ -93,44 +90,10 @@ fn shape() -> StudyConfig {
     }
 }
 
-/// `a · b` with eight running sums, so that the compiler vectorises it.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let tail = a.len() / 8 * 8;
-    acc.iter().sum::<f32>() + a[tail..].iter().zip(&b[tail..]).map(|(x, y)| x * y).sum::<f32>()
-}
-
 /// `x` rounded to BF16 (to nearest, ties to even), back in f32.
 fn bf16(x: f32) -> f32 {
     let b = x.to_bits();
     f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000)
-}
-
-/// The `n` positions of `among` with the largest `mass`, best first (ties to the lower).
-fn top(mass: &[f32], among: &[usize], n: usize) -> Vec<usize> {
-    let mut v: Vec<usize> = among.to_vec();
-    v.sort_by(|&x, &y| mass[y].total_cmp(&mass[x]).then(x.cmp(&y)));
-    v.truncate(n);
-    v
-}
-
-/// Head `h`'s channels by key energy over `[0, end)`, most first, ties to the lower channel.
-fn energy_order(layer: &DenseLayer, h: usize, end: usize) -> Vec<usize> {
-    let d = layer.head_dim;
-    let mut energy = vec![0f64; d];
-    for j in 0..end {
-        for (e, &x) in energy.iter_mut().zip(layer.k_row(j, h)) {
-            *e += f64::from(x) * f64::from(x);
-        }
-    }
-    let mut chan: Vec<usize> = (0..d).collect();
-    chan.sort_by(|&a, &b| energy[b].total_cmp(&energy[a]).then(a.cmp(&b)));
-    chan
 }
 
 /// The first `r` channels of `order`, ascending.
@@ -138,38 +101,6 @@ fn channels(order: &[usize], r: usize) -> Vec<usize> {
     let mut c = order[..r].to_vec();
     c.sort_unstable();
     c
-}
-
-/// The kernel's proposal for a tile: each query's logits on the sketch's channels, a softmax over
-/// the free positions, summed over the tile's queries.
-fn proposal(layer: &DenseLayer, h: usize, queries: &[usize], chan: &[usize], free: &[usize], start: usize) -> Vec<f32> {
-    let ks: Vec<Vec<f32>> = free
-        .iter()
-        .map(|&j| {
-            let k = layer.k_row(j, h);
-            chan.iter().map(|&c| k[c]).collect()
-        })
-        .collect();
-    let mut mass = vec![0f32; start];
-    let mut logits = vec![0f32; free.len()];
-    for &i in queries {
-        let q = layer.q_row(i, h);
-        let qs: Vec<f32> = chan.iter().map(|&c| q[c] * layer.scale).collect();
-        for (l, k) in logits.iter_mut().zip(&ks) {
-            *l = dot(&qs, k);
-        }
-        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut z = 0f64;
-        for l in &mut logits {
-            *l = (*l - m).exp();
-            z += f64::from(*l);
-        }
-        let inv = (1.0 / z) as f32;
-        for (&e, &j) in logits.iter().zip(free) {
-            mass[j] += e * inv;
-        }
-    }
-    mass
 }
 
 /// Stage 2's ranking of `cand` for the tile's `queries`: per query a softmax over its chunk (exact
@@ -235,8 +166,7 @@ fn head_run(layer: &DenseLayer, h: usize, n: usize) -> ([f64; VARIANTS.len()], u
         }
         let free: Vec<usize> = (0..start).filter(|&p| is_free[p]).collect();
         let order = energy_order(layer, h, end);
-        let d = layer.head_dim;
-        let sketch = channels(&order, d / if d > 128 { 2 } else { 4 });
+        let (chan, keys) = sketch(layer, h, start, end);
         for t in 0..att.rows.div_ceil(TILE) {
             let rows: Vec<usize> = (t * TILE..((t + 1) * TILE).min(att.rows)).collect();
             let mut mass = vec![0f32; start];
@@ -246,7 +176,8 @@ fn head_run(layer: &DenseLayer, h: usize, n: usize) -> ([f64; VARIANTS.len()], u
                 }
             }
             let queries: Vec<usize> = rows.iter().map(|&r| start + r).collect();
-            let proposed = top(&proposal(layer, h, &queries, &sketch, &free, start), &free, CANDIDATES);
+            let proposal = sketch_proposal(layer, h, &queries, &chan, &keys, &free, start);
+            let proposed = top(&proposal, &free, CANDIDATES);
             let mut chosen: Vec<Vec<usize>> = vec![top(&mass, &free, HEAVY), top(&mass, &proposed, HEAVY)];
             for &(how, n_cand, odd) in &RANKINGS {
                 let cand = &proposed[..n_cand.min(proposed.len())];
@@ -273,33 +204,9 @@ fn head_run(layer: &DenseLayer, h: usize, n: usize) -> ([f64; VARIANTS.len()], u
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (text, n, layers_arg, model_arg) = match args.as_slice() {
-        [t, n, l] => (t, n, l, None),
-        [t, n, l, m] => (t, n, l, Some(m)),
-        _ => return Err("usage: stage2_rank TEXT N LAYERS|all [MODEL]".into()),
-    };
-    let n: usize = n.parse()?;
-    let wanted: Option<Vec<u32>> = if layers_arg == "all" {
-        None
-    } else {
-        Some(layers_arg.split(',').map(str::parse).collect::<Result<_, _>>()?)
-    };
-    let log = |m: &str| eprintln!("{m}");
-    let path = match model_arg {
-        Some(m) => models::resolve(Path::new(m), log, &AtomicBool::new(false))?,
-        None => default_model::ensure(log)?,
-    };
-    let model = Model::load(&path, &ModelParams::default())?;
-    let mut tokens = model.tokenize(&std::fs::read_to_string(text)?, true, false)?;
-    if tokens.len() < n {
-        return Err(format!("{text} has {} tokens, fewer than {n}", tokens.len()).into());
-    }
-    tokens.truncate(n);
-    let clock = std::time::Instant::now();
-    eprintln!("stage2_rank: full-attention prefill of {n} tokens, capturing {layers_arg}");
-    let layers = capture_dense(&model, &tokens, wanted.as_deref(), 2)?;
-    eprintln!("stage2_rank: captured in {:.0} s", clock.elapsed().as_secs_f64());
+    let args = StudyArgs::parse("stage2_rank", &std::env::args().skip(1).collect::<Vec<_>>())?;
+    let captured = study::capture("stage2_rank", &args)?;
+    let (n, text, layers, clock) = (args.n, args.text.display(), &captured.layers, captured.clock);
     let names: Vec<u32> = layers.iter().map(|l| l.layer).collect();
     let first = &layers[0];
     println!(
@@ -307,16 +214,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
          S = {CHUNK}, L = {LOCAL}, H = {HEAVY}, {SINK} sinks, tiles of {TILE}, 4 H = {CANDIDATES} \
          candidates from all 64 queries of the tile on the key sketch; chunks 1 on. Mean covered \
          share of the tile's attention; the last row: difference from `rank/exact`.\n",
-        path.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
-        first.n_head,
-        first.n_head_kv,
-        first.head_dim,
+        captured.model_file, first.n_head, first.n_head_kv, first.head_dim,
     );
     println!("| layer | {} |", VARIANTS.join(" | "));
     println!("|---:|{}", "---:|".repeat(VARIANTS.len()));
     let mut total = [0f64; VARIANTS.len()];
     let mut total_tiles = 0;
-    for layer in &layers {
+    for layer in layers {
         eprintln!("stage2_rank: layer {} ({:.0} s)", layer.layer, clock.elapsed().as_secs_f64());
         let per_head: Vec<([f64; VARIANTS.len()], usize)> = std::thread::scope(|sc| {
             let handles: Vec<_> = (0..layer.n_head)
