@@ -12,6 +12,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use h2o_llama::{
@@ -67,6 +68,14 @@ impl Drop for RpcServer {
     }
 }
 
+/// The tests of this file one at a time: a port `free_port` finds free is bound later by a server
+/// process, and a test running beside it could be given the same port for a listener of its own
+/// in between (its peer would then take the other test's connection).
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -119,6 +128,7 @@ fn assert_same_prefill(local: &Model, remote: &Model, h2o: Option<H2oConfig>, wh
 
 #[test]
 fn every_layer_over_two_rpc_servers_gives_the_local_cpus_results_bit_for_bit() {
+    let _serial = one_at_a_time();
     let _engine = common::one_engine_at_a_time();
     let (s1, s2) = (RpcServer::start(), RpcServer::start());
     let plain = ModelParams {
@@ -256,6 +266,7 @@ fn fake_peer(version: Option<[u8; 3]>) -> (String, std::thread::JoinHandle<()>) 
 
 #[test]
 fn servers_that_are_not_there_or_speak_another_protocol_are_refused_naming_them() {
+    let _serial = one_at_a_time();
     // nothing listening
     let port = free_port();
     let e = load_error(&format!("127.0.0.1:{port}"));
@@ -311,6 +322,7 @@ fn servers_that_are_not_there_or_speak_another_protocol_are_refused_naming_them(
 
 #[test]
 fn a_server_without_enough_memory_is_named() {
+    let _serial = one_at_a_time();
     let _engine = common::one_engine_at_a_time();
     // room for the weights (~100 MB) and the server itself, not for a 64K-token KV cache (1.5 GB)
     let server = RpcServer::start_within(Some(1_200_000));
@@ -345,6 +357,7 @@ fn a_server_without_enough_memory_is_named() {
 
 #[test]
 fn a_server_killed_mid_prefill_ends_the_client_with_a_message() {
+    let _serial = one_at_a_time();
     let _engine = common::one_engine_at_a_time();
     let (s1, s2) = (RpcServer::start(), RpcServer::start());
     let mut cli = Command::new(env!("CARGO_BIN_EXE_h2o-cli"))
