@@ -44,6 +44,8 @@ pub struct ModelParams {
 pub struct Model {
     ptr: NonNull<sys::llama_model>,
     path: PathBuf,
+    /// No layer offloaded: `-ngl 0`, or no device to take one (no GPU, no RPC server).
+    attention_on_cpu: bool,
 }
 
 // SAFETY: llama.cpp's model is immutable after loading and documented as shareable between
@@ -132,9 +134,12 @@ impl Model {
         // with RPC servers, the devices llama.cpp would choose by itself were they registered:
         // the servers' first, then the local GPUs (a NULL-terminated list, copied by the load)
         let mut devices = Vec::new();
+        let local_gpus = rpc::local_gpu_devices();
+        let attention_on_cpu =
+            params.n_gpu_layers == 0 || (params.rpc_servers.is_empty() && local_gpus.is_empty());
         if !params.rpc_servers.is_empty() {
             devices = rpc::devices(&params.rpc_servers)?;
-            devices.extend(rpc::local_gpu_devices());
+            devices.extend(local_gpus);
             devices.push(std::ptr::null_mut());
             mp.devices = devices.as_mut_ptr();
         }
@@ -152,7 +157,15 @@ impl Model {
         Ok(Self {
             ptr,
             path: path.to_path_buf(),
+            attention_on_cpu,
         })
+    }
+
+    /// Whether every layer, and so every layer's attention, runs on the CPU: nothing was
+    /// offloaded (`-ngl 0`), or there was no device to offload to (no GPU, no RPC server).
+    #[must_use]
+    pub fn attention_on_cpu(&self) -> bool {
+        self.attention_on_cpu
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::llama_model {

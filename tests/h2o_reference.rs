@@ -756,6 +756,34 @@ fn the_sketch_left_out_follows_the_width_of_the_key_heads() {
     }
 }
 
+/// A pool left out is chosen by where the attention runs when the session is created: these
+/// models run on the CPU, so coverage selection gets the recommended pool there; a pool given
+/// is kept, 0 included, and another policy, which has no pool, gets none.
+#[test]
+fn the_pool_left_out_follows_where_the_attention_runs() {
+    let m = common::model();
+    assert!(m.attention_on_cpu());
+    let h2o = H2oConfig::new(L as u32, H as u32);
+    assert_eq!(h2o.tile_pool, H2oConfig::TILE_POOL_BY_BACKEND);
+    let pool_of = |h2o: H2oConfig| {
+        let s = Session::new(m, config(h2o)).unwrap();
+        s.config().h2o.map(|h| h.tile_pool)
+    };
+    assert_eq!(pool_of(h2o), Some(H2oConfig::RECOMMENDED_TILE_POOL));
+    for given in [0, 4 * H as u32] {
+        assert_eq!(
+            pool_of(H2oConfig {
+                tile_pool: given,
+                ..h2o
+            }),
+            Some(given)
+        );
+    }
+    for select in [Selection::Seed, Selection::Hybrid] {
+        assert_eq!(pool_of(H2oConfig { select, ..h2o }), Some(0), "{select}");
+    }
+}
+
 /// Every head's arithmetic is the same whichever thread runs it, so coverage selection's logits
 /// are bit-identical with one, two or three threads, and from one run to the next. A thread that
 /// writes rows of a head another thread is still computing (the dense tail before the memory

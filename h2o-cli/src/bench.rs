@@ -104,9 +104,9 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
                 .max(args.engine.ubatch_size(true)),
         })
         .collect();
-    // the sketch the H2O runs chose for this model (a sketch left out is the model's), so that
-    // the record names what ran, as the runs' own records do
-    let chosen_sketch: Cell<Option<u32>> = Cell::new(None);
+    // the sketch and the pool the H2O runs chose (a sketch left out is the model's, a pool left
+    // out the backend's), so that the record names what ran, as the runs' own records do
+    let chosen: Cell<Option<Chosen>> = Cell::new(None);
     let rows = bench::interleaved(&points, args.repetitions, |run| {
         if interrupt.load(Ordering::Relaxed) {
             return Err(h2o_llama::Error::Interrupted.into());
@@ -129,9 +129,9 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
             Engine::Baseline => args.stock_cli.as_deref().unwrap_or(&this),
             Engine::H2o => &this,
         };
-        let (measurement, sketch) = measure(exe, &model, args, &h2o, run)?;
+        let (measurement, resolved) = measure(exe, &model, args, &h2o, run)?;
         if run.engine == Engine::H2o {
-            chosen_sketch.set(sketch);
+            chosen.set(resolved);
         }
         Ok::<_, anyhow::Error>(measurement)
     })?;
@@ -154,7 +154,8 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
         h2o_local: h2o.local,
         h2o_heavy: h2o.heavy,
         h2o: H2oConfig {
-            tile_sketch: chosen_sketch.get().unwrap_or(h2o.tile_sketch),
+            tile_sketch: chosen.get().map_or(h2o.tile_sketch, |c| c.tile_sketch),
+            tile_pool: chosen.get().map_or(h2o.tile_pool, |c| c.tile_pool),
             ..h2o
         },
         repetitions: args.repetitions,
@@ -174,16 +175,23 @@ pub fn run(args: &BenchArgs, interrupt: &AtomicBool) -> Result<()> {
     Ok(())
 }
 
+/// What a run's H2O configuration left to the model and the backend resolved to.
+#[derive(Clone, Copy)]
+struct Chosen {
+    tile_sketch: u32,
+    tile_pool: u32,
+}
+
 /// Runs one prefill in a fresh process (this binary or the stock one, with the same flags but
-/// the `--h2o-*` ones) and reads the figures from its JSON record, and the coverage sketch its
-/// H2O configuration resolved to (`None` without H2O).
+/// the `--h2o-*` ones) and reads the figures from its JSON record, and the coverage sketch and
+/// pool its H2O configuration resolved to (`None` without H2O).
 fn measure(
     exe: &Path,
     model: &Path,
     args: &BenchArgs,
     h2o: &H2oConfig,
     run: &Run,
-) -> Result<(Measurement, Option<u32>)> {
+) -> Result<(Measurement, Option<Chosen>)> {
     let Point {
         n_prompt: n,
         n_batch,
@@ -245,6 +253,13 @@ fn measure(
         h2o_state_bytes: r["h2o_state_bytes"].as_u64().unwrap_or(0),
         kv_cache_bytes: r["kv_cache_bytes"].as_u64().unwrap_or(0),
     };
-    let sketch = r["h2o"]["tile_sketch"].as_u64().map(|n| n as u32);
-    Ok((measurement, sketch))
+    let h = &r["h2o"];
+    let chosen = match (h["tile_sketch"].as_u64(), h["tile_pool"].as_u64()) {
+        (Some(sketch), Some(pool)) => Some(Chosen {
+            tile_sketch: sketch as u32,
+            tile_pool: pool as u32,
+        }),
+        _ => None,
+    };
+    Ok((measurement, chosen))
 }

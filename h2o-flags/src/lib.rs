@@ -125,9 +125,11 @@ pub struct H2oPolicy {
     /// H2O coverage policy: 0, or a pool of N positions per chunk and head, chosen by every 16th
     /// query of each tile, among which each tile's samples propose instead of every earlier
     /// position (with the N/4 its own such queries attend to most), so that the proposal's cost
-    /// stops growing with the prompt (0 or at least 4 × --h2o-heavy; CPU only)
-    #[arg(long = "h2o-tile-pool", value_name = "N", default_value_t = 0)]
-    pub tile_pool: u32,
+    /// stops growing with the prompt; it acts on chunks with more than 1.25 × N candidates (0 or
+    /// at least 4 × --h2o-heavy; CPU only) [default: 8192 where the attention runs on the CPU,
+    /// 0 where it is offloaded]
+    #[arg(long = "h2o-tile-pool", value_name = "N")]
+    pub tile_pool: Option<u32>,
     /// H2O decode: full (each generated token reads its whole cache) or sparse (the first block,
     /// the last --h2o-local positions and the --h2o-decode-budget positions its query points
     /// at, by logits estimated from a quarter of the key channels; the cache is kept whole)
@@ -168,7 +170,9 @@ impl H2oPolicy {
         h2o.coverage = self.coverage;
         h2o.tile_samples = self.tile_samples;
         h2o.tile_sketch = self.tile_sketch;
-        h2o.tile_pool = self.tile_pool;
+        if let Some(pool) = self.tile_pool {
+            h2o.tile_pool = pool;
+        }
         h2o.decode_budget = match self.decode.unwrap_or(decode) {
             DecodeMode::Sparse => self.decode_budget,
             DecodeMode::Full => 0,
@@ -184,9 +188,9 @@ impl H2oPolicy {
         a.extend(["--h2o-coverage".into(), self.coverage.to_string()]);
         a.extend(["--h2o-tile-samples".into(), self.tile_samples.to_string()]);
         a.extend(["--h2o-tile-sketch".into(), self.tile_sketch.to_string()]);
-        if self.tile_pool > 0 {
+        if let Some(pool) = self.tile_pool {
             // only where asked, so that builds without the flag take the others
-            a.extend(["--h2o-tile-pool".into(), self.tile_pool.to_string()]);
+            a.extend(["--h2o-tile-pool".into(), pool.to_string()]);
         }
         let decode = self.decode.unwrap_or(DecodeMode::Full);
         a.extend(["--h2o-decode".into(), decode.as_str().into()]);

@@ -124,7 +124,9 @@ pub struct H2oConfig {
     /// attention; each tile adds the quarter as many that its own such queries attend to most,
     /// and its samples propose among those alone. The proposal's cost then stops growing with
     /// the prompt; chunks with no more candidates than a tile's pool propose as without one. 0
-    /// or at least 4 × `heavy`; the CPU's kernels only.
+    /// or at least 4 × `heavy`; the CPU's kernels only. [`H2oConfig::TILE_POOL_BY_BACKEND`]
+    /// leaves it to where the attention runs ([`H2oConfig::recommended_tile_pool`]), chosen
+    /// when a session is created.
     pub tile_pool: u32,
     /// Sparse decode (`--h2o-decode sparse --h2o-decode-budget N`): each generated token attends
     /// to the first block of 16 positions (more with `sink`), its last `local` positions, and up
@@ -186,7 +188,7 @@ impl H2oConfig {
             coverage: 1.0,
             tile_samples: Self::RECOMMENDED_TILE_SAMPLES,
             tile_sketch: Self::TILE_SKETCH_BY_HEAD,
-            tile_pool: 0,
+            tile_pool: Self::TILE_POOL_BY_BACKEND,
             decode_budget: 0,
             decode_coverage: 1.0,
         }
@@ -206,6 +208,11 @@ impl H2oConfig {
     /// `tile_sketch` to be chosen by the width of the model's key heads
     /// ([`H2oConfig::recommended_tile_sketch`]).
     pub const TILE_SKETCH_BY_HEAD: u32 = 0;
+    /// `tile_pool` to be chosen by where the model's attention runs
+    /// ([`H2oConfig::recommended_tile_pool`]).
+    pub const TILE_POOL_BY_BACKEND: u32 = u32::MAX;
+    /// The pool of [`H2oConfig::recommended_tile_pool`] on the CPU.
+    pub const RECOMMENDED_TILE_POOL: u32 = 8192;
     /// Positions a sparse decode step chooses when the flags leave it out.
     pub const RECOMMENDED_DECODE_BUDGET: u32 = 1024;
     /// The block of positions sparse decode sketches (`GGML_H2O_DECODE_BLOCK`); its sinks and
@@ -244,16 +251,44 @@ impl H2oConfig {
         }
     }
 
+    /// The pool this project recommends for coverage selection with a heavy budget of `heavy`,
+    /// measured in docs/results/coverage/chunk-pool/README.md: where the attention runs on the
+    /// CPU, [`H2oConfig::RECOMMENDED_TILE_POOL`] positions. It acts only on chunks with more
+    /// candidates than a tile's pool (10,240: prompts beyond about 11K tokens), where it keeps
+    /// the prefill's speed from falling with the prompt as proposals from every position let
+    /// it fall, within the quality targets; shorter prompts run as without it, bit for bit.
+    /// Elsewhere 0: the CUDA kernels have no pool, and
+    /// neither has a policy other than coverage selection, nor a heavy budget above a quarter
+    /// of the pool (a tile proposes 4 × `heavy` candidates from it).
+    #[must_use]
+    pub fn recommended_tile_pool(select: Selection, heavy: u32, attention_on_cpu: bool) -> u32 {
+        let fits = 4 * u64::from(heavy) <= u64::from(Self::RECOMMENDED_TILE_POOL);
+        if attention_on_cpu && select == Selection::Coverage && fits {
+            Self::RECOMMENDED_TILE_POOL
+        } else {
+            0
+        }
+    }
+
     /// This configuration on `model`: a `tile_sketch` of [`H2oConfig::TILE_SKETCH_BY_HEAD`]
-    /// becomes the sketch recommended for its key heads; everything else as it is.
+    /// becomes the sketch recommended for its key heads, and a `tile_pool` of
+    /// [`H2oConfig::TILE_POOL_BY_BACKEND`] the pool recommended where its attention runs;
+    /// everything else as it is.
     #[must_use]
     pub fn for_model(self, model: &Model) -> Self {
         let tile_sketch = match self.tile_sketch {
             Self::TILE_SKETCH_BY_HEAD => Self::recommended_tile_sketch(model.key_head_width()),
             n => n,
         };
+        let tile_pool = match self.tile_pool {
+            Self::TILE_POOL_BY_BACKEND => {
+                Self::recommended_tile_pool(self.select, self.heavy, model.attention_on_cpu())
+            }
+            n => n,
+        };
         Self {
             tile_sketch,
+            tile_pool,
             ..self
         }
     }
@@ -275,8 +310,10 @@ impl H2oConfig {
         if self.tile_sketch > 1 {
             label += &format!(" sketch/{}", self.tile_sketch);
         }
-        if self.tile_pool > 0 {
-            label += &format!(" pool/{}", self.tile_pool);
+        match self.tile_pool {
+            0 => {}
+            Self::TILE_POOL_BY_BACKEND => label += " pool/by backend",
+            n => label += &format!(" pool/{n}"),
         }
         if self.coverage < 1.0 {
             label += &format!("@{}", self.coverage);
@@ -534,6 +571,7 @@ impl SessionConfig {
                 ));
             }
             if h2o.tile_pool > 0
+                && h2o.tile_pool != H2oConfig::TILE_POOL_BY_BACKEND
                 && (h2o.select != Selection::Coverage
                     || u64::from(h2o.tile_pool) < 4 * u64::from(h2o.heavy))
             {
@@ -597,6 +635,32 @@ impl SessionConfig {
 #[cfg(test)]
 mod tests {
     use super::{H2oConfig, Selection};
+
+    #[test]
+    fn the_recommended_pool_is_the_cpus_and_coverage_selections_alone() {
+        let pool = H2oConfig::recommended_tile_pool;
+        let (c, rec) = (Selection::Coverage, H2oConfig::RECOMMENDED_TILE_POOL);
+        assert_eq!(pool(c, 256, true), rec);
+        assert_eq!(
+            pool(c, rec / 4, true),
+            rec,
+            "a pool of 4 H is the least allowed"
+        );
+        assert_eq!(
+            pool(c, rec / 4 + 1, true),
+            0,
+            "a tile proposes 4 H from the pool"
+        );
+        assert_eq!(
+            pool(c, 256, false),
+            0,
+            "offloaded: the CUDA kernels have no pool"
+        );
+        assert_eq!(pool(Selection::Seed, 256, true), 0);
+        assert_eq!(pool(Selection::Hybrid, 256, true), 0);
+        let label = H2oConfig::new(256, 256).policy_label();
+        assert!(label.ends_with("pool/by backend"), "{label}");
+    }
 
     #[test]
     fn policies_parse_by_name_and_retired_ones_are_refused_naming_what_replaces_them() {

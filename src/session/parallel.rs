@@ -347,11 +347,16 @@ impl<'m> ParallelSession<'m> {
 
     /// A sequence's selection `w` with what is set for the whole context `d` (coverage
     /// selection's target, samples, sketch and pool, sparse decode's coverage): the context's, a sketch
-    /// left out ([`H2oConfig::TILE_SKETCH_BY_HEAD`]) included, or an error naming the flag.
+    /// or a pool left out ([`H2oConfig::TILE_SKETCH_BY_HEAD`], [`H2oConfig::TILE_POOL_BY_BACKEND`])
+    /// included, or an error naming the flag.
     fn context_wide(w: H2oConfig, d: H2oConfig) -> Result<H2oConfig> {
         let w = H2oConfig {
             tile_sketch: match w.tile_sketch {
                 H2oConfig::TILE_SKETCH_BY_HEAD => d.tile_sketch,
+                n => n,
+            },
+            tile_pool: match w.tile_pool {
+                H2oConfig::TILE_POOL_BY_BACKEND => d.tile_pool,
                 n => n,
             },
             ..w
