@@ -257,17 +257,22 @@ impl H2oConfig {
     /// candidates than a tile's pool (10,240: prompts beyond about 11K tokens), where it keeps
     /// the prefill's speed from falling with the prompt as proposals from every position let
     /// it fall, within the quality targets; shorter prompts run as without it, bit for bit.
-    /// Elsewhere 0: the CUDA kernels have no pool, and
-    /// neither has a policy other than coverage selection, nor a heavy budget above a quarter
-    /// of the pool (a tile proposes 4 × `heavy` candidates from it).
+    /// Elsewhere 0: the CUDA kernels have no pool, and neither has a policy other than coverage
+    /// selection, nor a heavy budget the pool cannot hold ([`H2oConfig::pool_holds_proposals`]).
     #[must_use]
     pub fn recommended_tile_pool(select: Selection, heavy: u32, attention_on_cpu: bool) -> u32 {
-        let fits = 4 * u64::from(heavy) <= u64::from(Self::RECOMMENDED_TILE_POOL);
+        let fits = Self::pool_holds_proposals(Self::RECOMMENDED_TILE_POOL, heavy);
         if attention_on_cpu && select == Selection::Coverage && fits {
             Self::RECOMMENDED_TILE_POOL
         } else {
             0
         }
+    }
+
+    /// Whether a pool of `pool` positions holds the 4 × `heavy` candidates a tile proposes from it.
+    #[must_use]
+    pub fn pool_holds_proposals(pool: u32, heavy: u32) -> bool {
+        u64::from(pool) >= 4 * u64::from(heavy)
     }
 
     /// This configuration on `model`: a `tile_sketch` of [`H2oConfig::TILE_SKETCH_BY_HEAD`]
@@ -573,7 +578,7 @@ impl SessionConfig {
             if h2o.tile_pool > 0
                 && h2o.tile_pool != H2oConfig::TILE_POOL_BY_BACKEND
                 && (h2o.select != Selection::Coverage
-                    || u64::from(h2o.tile_pool) < 4 * u64::from(h2o.heavy))
+                    || !H2oConfig::pool_holds_proposals(h2o.tile_pool, h2o.heavy))
             {
                 return bad(format!(
                     "H2O --h2o-tile-pool {} must be 0 (off) or, with --h2o-select coverage, at least \
