@@ -140,7 +140,35 @@ fn a_saved_state_continues_exactly_as_if_never_saved() {
         let mut loaded = Session::new(m, config(Some(h2o))).unwrap();
         assert_eq!(loaded.load_state(&older).unwrap(), Integrity::Unverified);
         assert_continues(&format!("{name}, an older file"), &mut loaded, &b, &want);
+
+        // a state of version 4, from before sparse decode's key sketches were saved, is still
+        // read and continues as well
+        let mut loaded = Session::new(m, config(Some(h2o))).unwrap();
+        assert_eq!(
+            loaded.load_state_bytes(&version_4(&bytes)).unwrap(),
+            Integrity::Unverified
+        );
+        assert_continues(&format!("{name}, version 4"), &mut loaded, &b, &want);
     }
+}
+
+/// `state` (llama.cpp's state of one sequence, saved without sparse decode) as version 4 of
+/// the H2O section wrote it: that version in its header, and without the count of sketched
+/// layers (none here) that ends the sequence's H2O part, and so the state, since version 5.
+fn version_4(state: &[u8]) -> Vec<u8> {
+    let header = state
+        .windows(8)
+        .position(|w| w[..4] == *b"H2OS" && w[4..] == 5u32.to_le_bytes())
+        .expect("the H2O section's magic and version");
+    let (body, sketched_layers) = state.split_at(state.len() - 4);
+    assert_eq!(
+        sketched_layers,
+        0u32.to_le_bytes(),
+        "no sparse decode, no sketches"
+    );
+    let mut v4 = body.to_vec();
+    v4[header + 4..header + 8].copy_from_slice(&4u32.to_le_bytes());
+    v4
 }
 
 fn load_error(s: &mut Session<'_>, path: &Path) -> String {
@@ -221,7 +249,7 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
     // queries): its H2O header names the policy by number, and this build refuses it by name
     let magic = state
         .windows(8)
-        .position(|w| w[..4] == *b"H2OS" && w[4..] == 4u32.to_le_bytes())
+        .position(|w| w[..4] == *b"H2OS" && w[4..] == 5u32.to_le_bytes())
         .expect("the H2O section's magic and version");
     let mut retired = state.to_vec();
     let select_at = magic + 4 + 4 * 4; // magic, then version, L, H, S, select

@@ -202,6 +202,68 @@ fn a_small_budget_reads_a_few_positions_and_stays_close_to_full_attention() {
     );
 }
 
+/// Teacher-forced decode steps: `tokens` one at a time, the logits after each.
+fn forced_steps(s: &mut Session<'_>, tokens: &[Token]) -> Vec<Vec<f32>> {
+    tokens
+        .iter()
+        .map(|&t| {
+            s.evaluate(&[t]).unwrap();
+            s.logits().unwrap().to_vec()
+        })
+        .collect()
+}
+
+/// A session saved after sparse steps continues as one that never saved: the key sketches
+/// travel in the state with the channels they were made on. Chosen again after a restore, the
+/// channels would come from every position then in the cache instead of those of the first
+/// sparse step, and the steps would read other positions.
+#[test]
+fn a_state_saved_after_sparse_steps_continues_exactly() {
+    let _engine = common::one_engine_at_a_time();
+    let m = common::model();
+    let p = prompt(1700);
+    // 1,600 prompt tokens (100 blocks), then 40 sparse steps (two more blocks sketched) before
+    // the save, and 60 after it, across three more block boundaries
+    let (prompt, before, after) = (&p[..1600], &p[1600..1640], &p[1640..]);
+    let mut first = Session::new(m, config(256)).unwrap();
+    first.evaluate(prompt).unwrap();
+    forced_steps(&mut first, before);
+    assert!(
+        first.decode_keys_per_step(prompt.len()) < 1000.0,
+        "the steps before the save were not sparse"
+    );
+    let bytes = first.state_bytes().unwrap();
+    let want = forced_steps(&mut first, after);
+
+    let mut loaded = Session::new(m, config(256)).unwrap();
+    loaded.load_state_bytes(&bytes).unwrap();
+    assert_eq!(loaded.n_past(), 1640);
+    let got = forced_steps(&mut loaded, after);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            g == w,
+            "step {i} after the restore: max |Δ logit| {} against the session that never saved",
+            common::max_abs_diff(g, w)
+        );
+    }
+
+    // a context decoding in full reads the same state with the sketches skipped, saves it
+    // without them, and continues from either file alike
+    let mut full = Session::new(m, config(0)).unwrap();
+    full.load_state_bytes(&bytes).unwrap();
+    assert_eq!(full.n_past(), 1640);
+    let resaved = full.state_bytes().unwrap();
+    assert!(
+        resaved.len() < bytes.len(),
+        "a context decoding in full saved {} bytes, the sparse one {}",
+        resaved.len(),
+        bytes.len()
+    );
+    let mut again = Session::new(m, config(0)).unwrap();
+    again.load_state_bytes(&resaved).unwrap();
+    assert!(forced_steps(&mut full, &after[..8]) == forced_steps(&mut again, &after[..8]));
+}
+
 #[test]
 fn sequences_decoding_together_get_what_each_gets_alone() {
     let _engine = common::one_engine_at_a_time();

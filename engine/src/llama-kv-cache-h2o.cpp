@@ -745,6 +745,12 @@ void llama_kv_cache_h2o::undo_to(uint32_t c, uint32_t s) {
     hs.memory_initialized = c > 0;
 }
 
+static uint32_t llama_h2o_read_u32(llama_io_read_i & io) {
+    uint32_t v;
+    io.read(&v, sizeof(v));
+    return v;
+}
+
 // the streams a state of seq_id holds: one stream for a sequence, all of them for the whole cache (-1)
 static std::vector<uint32_t> llama_h2o_state_streams(const std::vector<uint32_t> & seq_to_stream, uint32_t n_stream, llama_seq_id seq_id) {
     if (seq_id >= 0) {
@@ -796,9 +802,9 @@ void llama_kv_cache_h2o::state_read_header(llama_io_read_i & io, llama_seq_id se
     const uint32_t select  = header[4];
     const uint32_t sink    = header[5];
 
-    if (version != LLAMA_H2O_STATE_VERSION) {
-        throw std::runtime_error(format("the state's H2O section has version %u, this build reads version %u",
-                version, LLAMA_H2O_STATE_VERSION));
+    if (version != LLAMA_H2O_STATE_VERSION && version != 4) {
+        throw std::runtime_error(format("the state's H2O section has version %u, this build reads versions 4 and %u: "
+                "evaluate its tokens again", version, LLAMA_H2O_STATE_VERSION));
     }
 
     if (!enabled()) {
@@ -825,7 +831,7 @@ void llama_kv_cache_h2o::state_read_header(llama_io_read_i & io, llama_seq_id se
                     "its scores and memory sets follow the state's policy, so load it into a context with that policy",
                     select, sink, (uint32_t) hs.select, hs.n_sink));
         }
-        sel = { hs.select, hs.n_sink, hs.n_dense_tail };
+        sel = { hs.select, hs.n_sink, hs.n_dense_tail, version };
     }
 }
 
@@ -884,19 +890,105 @@ void llama_kv_cache_h2o::state_write_data(llama_io_write_i & io, llama_seq_id se
             io.write_tensor(mem_idx, 0, ggml_nbytes(mem_idx));
             io.write_tensor(acc,     0, ggml_nbytes(acc));
         }
+
+        state_write_decode(io, s);
+    }
+}
+
+// the sketches a restored sequence decodes with must be the ones it had: chosen again, its channels would come from the
+// positions of the whole cache instead of those present at its first sparse step, and it would continue differently
+void llama_kv_cache_h2o::state_write_decode(llama_io_write_i & io, uint32_t s) const {
+    const uint32_t n_layer = kv.hparams.no_alloc ? 0 : (uint32_t) dec_summ.size();
+    io.write(&n_layer, sizeof(n_layer));
+
+    std::vector<int32_t> row;
+    for (uint32_t i = 0; i < n_layer; ++i) {
+        ggml_tensor * summ   = dec_summ[i];
+        ggml_tensor * summ_n = dec_summ_n[i];
+
+        // the stream's row: the blocks sketched and each KV head's channels (then its sink and budget, which the
+        // sequence's settings give)
+        const uint32_t n_row = summ_n->ne[0] - 2;
+        row.resize(n_row);
+        ggml_backend_tensor_get(summ_n, row.data(), s*summ_n->nb[1], n_row*sizeof(int32_t));
+
+        const uint32_t n_head      = summ->ne[2];
+        const uint32_t block_bytes = summ->nb[1];
+        io.write(&n_row,       sizeof(n_row));
+        io.write(row.data(),   n_row*sizeof(int32_t));
+        io.write(&n_head,      sizeof(n_head));
+        io.write(&block_bytes, sizeof(block_bytes));
+
+        // a KV head's blocks lie one after another
+        for (uint32_t ih = 0; ih < n_head && row[0] > 0; ++ih) {
+            io.write_tensor(summ, s*summ->nb[3] + ih*summ->nb[2], (size_t) row[0]*block_bytes);
+        }
+    }
+}
+
+void llama_kv_cache_h2o::state_read_decode(llama_io_read_i & io, uint32_t s, uint32_t n_pos) {
+    // the sequence was emptied before its cells were read: nothing is sketched, and a state without sketches (saved
+    // with full decode, or before any sparse step) leaves it so
+    const uint32_t n_layer = llama_h2o_read_u32(io);
+    const bool     keep    = !dec_summ.empty() && !kv.hparams.no_alloc;
+    if (keep && n_layer != 0 && n_layer != dec_summ.size()) {
+        throw std::runtime_error(format("the state holds sparse decode's key sketches of %u layers, this cache %zu",
+                n_layer, dec_summ.size()));
+    }
+
+    std::vector<int32_t> row;
+    std::vector<uint8_t> skipped;
+    for (uint32_t i = 0; i < n_layer; ++i) {
+        const uint32_t n_row = llama_h2o_read_u32(io);
+        if (n_row < 1 || n_row > (1u << 20)) {
+            throw std::runtime_error(format("the state's sparse decode row of layer %u has %u entries (a damaged state)", i, n_row));
+        }
+        row.resize(n_row);
+        io.read(row.data(), n_row*sizeof(int32_t));
+        const uint32_t n_head      = llama_h2o_read_u32(io);
+        const uint32_t block_bytes = llama_h2o_read_u32(io);
+
+        const int32_t n_blocks = row[0];
+        const int32_t n_chan   = n_head > 0 && (n_row - 1) % n_head == 0 ? (n_row - 1)/n_head : 0;
+        bool valid = n_blocks >= 0 && (uint64_t) n_blocks*GGML_H2O_DECODE_BLOCK <= n_pos && n_chan > 0 &&
+                     block_bytes == GGML_H2O_DECODE_SKETCH_SIZE(4*n_chan);
+        for (uint32_t j = 1; valid && j < n_row; ++j) {
+            valid = row[j] >= 0 && row[j] < 4*n_chan;
+        }
+        if (!valid) {
+            throw std::runtime_error(format("the state's sparse decode sketches of layer %u are inconsistent (%d blocks "
+                    "of a sequence of %u positions; a damaged state)", i, n_blocks, n_pos));
+        }
+
+        if (!keep) {
+            // full decode here: the sketches are of no use
+            for (uint64_t left = (uint64_t) n_head*n_blocks*block_bytes; left > 0; ) {
+                const size_t n = (size_t) std::min<uint64_t>(left, 1u << 16);
+                skipped.resize(n);
+                io.read(skipped.data(), n);
+                left -= n;
+            }
+            continue;
+        }
+
+        ggml_tensor * summ   = dec_summ[i];
+        ggml_tensor * summ_n = dec_summ_n[i];
+        if (n_row != summ_n->ne[0] - 2 || n_head != summ->ne[2] || block_bytes != summ->nb[1]) {
+            throw std::runtime_error(format("the state's sparse decode sketches of layer %u are %u heads of %d channels, "
+                    "this cache's %d of %d: load it into a context of the same model",
+                    i, n_head, n_chan, (int) summ->ne[2], (int) (summ_n->ne[0] - 3)/(int) summ->ne[2]));
+        }
+        ggml_backend_tensor_set(summ_n, row.data(), s*summ_n->nb[1], n_row*sizeof(int32_t));
+        for (uint32_t ih = 0; ih < n_head && n_blocks > 0; ++ih) {
+            io.read_tensor(summ, s*summ->nb[3] + ih*summ->nb[2], (size_t) n_blocks*block_bytes);
+        }
     }
 }
 
 void llama_kv_cache_h2o::state_read_streams(llama_io_read_i & io, llama_seq_id seq_id, const selection & sel) {
-    auto read_u32 = [&io]() {
-        uint32_t v;
-        io.read(&v, sizeof(v));
-        return v;
-    };
-
     const auto streams = llama_h2o_state_streams(kv.seq_to_stream, kv.n_stream, seq_id);
 
-    const uint32_t n_strm = read_u32();
+    const uint32_t n_strm = llama_h2o_read_u32(io);
     if (n_strm != streams.size()) {
         throw std::runtime_error(format("the H2O state holds %u sequences, the restore expects %zu", n_strm, streams.size()));
     }
@@ -914,17 +1006,17 @@ void llama_kv_cache_h2o::state_read_streams(llama_io_read_i & io, llama_seq_id s
         const llama_pos pos_max = cells.seq_pos_max(seq);
         const uint32_t  n_cells = pos_max < 0 ? 0 : (uint32_t) pos_max + 1;
 
-        const uint32_t n_pos = read_u32();
+        const uint32_t n_pos = llama_h2o_read_u32(io);
         if (n_pos != n_cells || n_pos > cells.size() || (n_pos > 0 && cells.seq_pos_min(seq) != 0)) {
             throw std::runtime_error(format("the H2O state covers positions [0, %u), the restored cells [%d, %d]",
                     n_pos, cells.seq_pos_min(seq), pos_max));
         }
 
         chunk_state st;
-        st.current_chunk_idx      = read_u32();
-        st.total_tokens_processed = read_u32();
+        st.current_chunk_idx      = llama_h2o_read_u32(io);
+        st.total_tokens_processed = llama_h2o_read_u32(io);
 
-        const uint32_t n_bound = read_u32();
+        const uint32_t n_bound = llama_h2o_read_u32(io);
         if (n_bound != st.current_chunk_idx + 1) {
             throw std::runtime_error(format("the H2O chunk state lists %u chunk starts for %u chunks", n_bound, st.current_chunk_idx));
         }
@@ -933,8 +1025,8 @@ void llama_kv_cache_h2o::state_read_streams(llama_io_read_i & io, llama_seq_id s
 
         io.read(&st.mem_chunk, sizeof(st.mem_chunk));
         io.read(&st.acc_chunk, sizeof(st.acc_chunk));
-        const uint32_t mem_init = read_u32();
-        st.prompt_end = read_u32();
+        const uint32_t mem_init = llama_h2o_read_u32(io);
+        st.prompt_end = llama_h2o_read_u32(io);
         io.read(&st.n_sparse_chunks,   sizeof(st.n_sparse_chunks));
         io.read(&st.n_tail_tokens,     sizeof(st.n_tail_tokens));
         io.read(&st.last_sparse_chunk, sizeof(st.last_sparse_chunk));
@@ -952,7 +1044,7 @@ void llama_kv_cache_h2o::state_read_streams(llama_io_read_i & io, llama_seq_id s
             throw std::runtime_error("the H2O chunk state is inconsistent (a damaged state)");
         }
 
-        const uint32_t n_layer = read_u32();
+        const uint32_t n_layer = llama_h2o_read_u32(io);
         if (n_layer != hs.scores.size()) {
             throw std::runtime_error(format("the H2O state has %u layers, this cache %zu", n_layer, hs.scores.size()));
         }
@@ -962,7 +1054,7 @@ void llama_kv_cache_h2o::state_read_streams(llama_io_read_i & io, llama_seq_id s
             ggml_tensor * mem_idx = hs.memory_indices[i];
             ggml_tensor * acc     = hs.accumulators[i];
 
-            const uint32_t n_head = read_u32();
+            const uint32_t n_head = llama_h2o_read_u32(io);
             if (n_head != scores->ne[1]) {
                 throw std::runtime_error(format("the H2O state of layer %u has %u heads, this cache %d", i, n_head, (int) scores->ne[1]));
             }
@@ -973,6 +1065,10 @@ void llama_kv_cache_h2o::state_read_streams(llama_io_read_i & io, llama_seq_id s
 
             io.read_tensor(mem_idx, 0, ggml_nbytes(mem_idx));
             io.read_tensor(acc,     0, ggml_nbytes(acc));
+        }
+
+        if (sel.version >= 5) {
+            state_read_decode(io, s, n_pos);
         }
 
         hs.chunk = std::move(st);

@@ -24,7 +24,8 @@ struct llama_ubatch;
 // an H2O cache's state starts with this where other caches' states hold n_stream ("H2OS"), so that a reader that does
 // not know H2O stops at once
 static constexpr uint32_t LLAMA_H2O_STATE_MAGIC   = 0x534f3248;
-static constexpr uint32_t LLAMA_H2O_STATE_VERSION = 4; // 2: with prompt_end, 3: per stream, 4: with the prefill's counts
+static constexpr uint32_t LLAMA_H2O_STATE_VERSION = 5; // 2: with prompt_end, 3: per stream, 4: with the prefill's counts,
+                                                       // 5: with sparse decode's key sketches (4 is still read)
 
 // the policies this build runs: 1 and 2 were retired and their numbers are not reused, so that a state saved under one
 // of them is refused by its number
@@ -80,6 +81,7 @@ public:
         llama_h2o_select select       = LLAMA_H2O_SELECT_SEED;
         uint32_t         n_sink       = 0;
         uint32_t         n_dense_tail = 0;
+        uint32_t         version      = LLAMA_H2O_STATE_VERSION; // the state's: 4 holds no sparse decode sketches
     };
     void state_read_begin(llama_io_read_i & io, llama_seq_id seq_id, uint32_t & n_stream_cur, selection & sel) const;
 
@@ -341,6 +343,11 @@ private:
     // the header's selection is the restored sequences' (sel)
     void state_read_header(llama_io_read_i & io, llama_seq_id seq_id, selection & sel) const;
     void state_read_streams(llama_io_read_i & io, llama_seq_id seq_id, const selection & sel);
+
+    // sparse decode's part of stream s's state: per layer, the blocks sketched, their channels and their sketches;
+    // the reader takes them where this cache decodes sparsely and skips them where it does not
+    void state_write_decode(llama_io_write_i & io, uint32_t s) const;
+    void state_read_decode (llama_io_read_i  & io, uint32_t s, uint32_t n_pos);
 };
 
 // the H2O cache behind a memory: the memory itself, or the base cache of an iswa memory (nullptr when neither)
