@@ -152,14 +152,19 @@ fn a_saved_state_continues_exactly_as_if_never_saved() {
     }
 }
 
+/// Where the H2O section's header (its magic, then this build's version) starts in `state`.
+fn h2o_header(state: &[u8]) -> usize {
+    state
+        .windows(8)
+        .position(|w| w[..4] == *b"H2OS" && w[4..] == 5u32.to_le_bytes())
+        .expect("the H2O section's magic and version")
+}
+
 /// `state` (llama.cpp's state of one sequence, saved without sparse decode) as version 4 of
 /// the H2O section wrote it: that version in its header, and without the count of sketched
 /// layers (none here) that ends the sequence's H2O part, and so the state, since version 5.
 fn version_4(state: &[u8]) -> Vec<u8> {
-    let header = state
-        .windows(8)
-        .position(|w| w[..4] == *b"H2OS" && w[4..] == 5u32.to_le_bytes())
-        .expect("the H2O section's magic and version");
+    let header = h2o_header(state);
     let (body, sketched_layers) = state.split_at(state.len() - 4);
     assert_eq!(
         sketched_layers,
@@ -247,10 +252,7 @@ fn states_that_do_not_fit_are_refused_and_the_session_stays_usable() {
     assert_eq!(s.n_past(), 0);
     // a state saved under a policy since retired (h2o_select 1, whole blocks by the chunk's own
     // queries): its H2O header names the policy by number, and this build refuses it by name
-    let magic = state
-        .windows(8)
-        .position(|w| w[..4] == *b"H2OS" && w[4..] == 5u32.to_le_bytes())
-        .expect("the H2O section's magic and version");
+    let magic = h2o_header(state);
     let mut retired = state.to_vec();
     let select_at = magic + 4 + 4 * 4; // magic, then version, L, H, S, select
     assert_eq!(retired[select_at..select_at + 4], 0u32.to_le_bytes());
